@@ -1,0 +1,28 @@
+"""dart_core: the DART decisions shared by every integration — draft head, n-gram prior, tree search, verification.
+
+Pure torch/numpy; no transformers or sglang imports.
+"""
+
+from dart_core.config import DartConfig, TreeConfig, default_target_layer_ids
+from dart_core.head import DartHead, DartHeadCache
+from dart_core.ngram import NGramModel
+from dart_core.tree import DraftTree, DraftTreeBatch, build_draft_tree, build_draft_trees, topk_draft_tokens
+from dart_core.verify import VerifyResult, verify_greedy, verify_tree
+
+__all__ = [
+    "DartConfig",
+    "DartHead",
+    "DartHeadCache",
+    "DraftTree",
+    "DraftTreeBatch",
+    "NGramModel",
+    "TreeConfig",
+    "VerifyResult",
+    "build_draft_tree",
+    "build_draft_trees",
+    "default_target_layer_ids",
+    "topk_draft_tokens",
+    "verify_greedy",
+    "verify_tree",
+]
+__version__ = "0.1.0"

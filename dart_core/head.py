@@ -1,0 +1,379 @@
+"""The DART draft head (DESIGN 2.2): one Llama-style layer that predicts D+1 future positions in one forward."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dart_core.config import CONFIG_NAME, DartConfig, TreeConfig
+from dart_core.io import atomic_write, load_safetensors_checked, save_safetensors_atomic
+
+WEIGHTS_NAME = "model.safetensors"
+NGRAM_NAME = "ngram.safetensors"
+# keys of this project's config.json beyond the official ones
+TREE_CONFIG_KEY = "dart_tree"
+NGRAM_FILE_KEY = "dart_ngram_file"
+# present in some checkpoints; the head uses the target's embedding table instead
+OPTIONAL_KEYS = ("embed_tokens.weight",)
+
+
+class RMSNorm(nn.Module):
+    """Llama RMSNorm, computed in float32 like the reference."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+def rope_inv_freq(config: DartConfig) -> torch.Tensor:
+    """[head_dim/2] float32 inverse frequencies, with linear or llama3 scaling applied."""
+    hd = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+    kind = config.rope_type
+    if kind == "linear":
+        inv_freq = inv_freq / float(config.rope_scaling["factor"])
+    elif kind == "llama3":
+        rs = config.rope_scaling
+        factor, low, high = float(rs["factor"]), float(rs["low_freq_factor"]), float(rs["high_freq_factor"])
+        orig = float(rs["original_max_position_embeddings"])
+        wave_len = 2 * torch.pi / inv_freq
+        smooth = (orig / wave_len - low) / (high - low) if low != high else torch.zeros_like(inv_freq)
+        inv_freq = torch.where(
+            wave_len < orig / high,
+            inv_freq,
+            torch.where(wave_len > orig / low, inv_freq / factor, (1 - smooth) * inv_freq / factor + smooth * inv_freq),
+        )
+    return inv_freq
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """x [B, heads, T, hd], positions [B, T] int64 -> x rotated (rotate-half convention)."""
+    freqs = positions.to(torch.float32)[..., None] * inv_freq  # [B, T, hd/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().to(x.dtype)[:, None], emb.sin().to(x.dtype)[:, None]
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class DartAttention(nn.Module):
+    def __init__(self, config: DartConfig) -> None:
+        super().__init__()
+        h, hd = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, hd
+        self.q_proj = nn.Linear(2 * h, self.num_heads * hd, bias=False)
+        self.k_proj = nn.Linear(2 * h, self.num_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(2 * h, self.num_kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * hd, h, bias=False)
+
+    def qkv(self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor):
+        """x [B, T, 2H] -> q [B, heads, T, hd], k/v [B, kv_heads, T, hd] (RoPE applied to q and k)."""
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """q [B, heads, T, hd], k/v [B, kv, S, hd], additive mask [B, 1, T, S] -> [B, T, H] (after o_proj)."""
+        groups = self.num_heads // self.num_kv_heads
+        if groups > 1:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype))
+        b, _, t, _ = out.shape
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+
+
+class DartMLP(nn.Module):
+    def __init__(self, config: DartConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DartMidLayer(nn.Module):
+    """The single decoder layer; parameter names match the official `midlayer.*` safetensors keys."""
+
+    def __init__(self, config: DartConfig) -> None:
+        super().__init__()
+        h = config.hidden_size
+        self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(h, config.rms_norm_eps)
+        self.self_attn = DartAttention(config)
+        self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps)
+        self.mlp = DartMLP(config)
+        self.mask_rep = nn.Parameter(torch.zeros(2 * h))
+
+
+class DartHeadCache:
+    """Keys/values of the real rows the head has seen, per batch row with its own length.
+
+    keys/values [B, kv_heads, capacity, hd]; lengths [B] int64 (rows of each batch row held).
+    """
+
+    def __init__(self, batch_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device, capacity: int = 256) -> None:
+        self.keys = torch.zeros(batch_size, num_kv_heads, capacity, head_dim, dtype=dtype, device=device)
+        self.values = torch.zeros_like(self.keys)
+        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.keys.shape[0])
+
+    def max_length(self) -> int:
+        return int(self.lengths.max()) if self.lengths.numel() else 0
+
+    def _reserve(self, needed: int) -> None:
+        cap = self.keys.shape[2]
+        if needed <= cap:
+            return
+        new_cap = max(needed, 2 * cap)
+        pad = (0, 0, 0, new_cap - cap)
+        self.keys, self.values = F.pad(self.keys, pad), F.pad(self.values, pad)
+
+    def append(self, k: torch.Tensor, v: torch.Tensor, new_lengths: torch.Tensor) -> None:
+        """Store k/v [B, kv, T, hd] rows 0..new_lengths[b]-1 of each batch row after its current length."""
+        b, _, t, _ = k.shape
+        self._reserve(self.max_length() + t)
+        offs = torch.arange(t, device=k.device)
+        dest = self.lengths[:, None] + offs  # [B, T]
+        keep = offs[None, :] < new_lengths[:, None]  # [B, T]
+        bi, ti = torch.nonzero(keep, as_tuple=True)
+        self.keys[bi, :, dest[bi, ti]] = k[bi, :, ti]
+        self.values[bi, :, dest[bi, ti]] = v[bi, :, ti]
+        self.lengths = self.lengths + new_lengths
+
+    def crop(self, lengths: torch.Tensor) -> None:
+        """Forget rows past `lengths` [B] (e.g. to roll back a request)."""
+        if bool((lengths > self.lengths).any()):
+            raise ValueError("cannot crop a head cache to a length longer than it holds")
+        self.lengths = lengths.to(self.lengths)
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Keep the batch rows `index` [B'] (e.g. when requests finish)."""
+        self.keys, self.values, self.lengths = self.keys[index], self.values[index], self.lengths[index]
+
+
+class DartHead(nn.Module):
+    """DART draft head: reads target hidden states at three taps and the next tokens, returns logits for D+1 positions.
+
+    `head(aux, shifted_ids)` with aux [B, T, 3*Ht] and shifted_ids [B, T] returns [B, D+1, draft_vocab] logits: row 0
+    for the last real row, rows 1..D for the mask rows. The target's embedding table is shared through
+    `set_input_embeddings`. Optional `ngram` and `tree_config` travel with a head directory.
+    """
+
+    def __init__(self, config: DartConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.fc = nn.Linear(3 * config.target_hidden_size, config.hidden_size, bias=False)
+        self.midlayer = DartMidLayer(config)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        self._embed: Optional[nn.Embedding] = None
+        self.ngram = None
+        self.tree_config: Optional[TreeConfig] = None
+
+    # ---- embeddings and vocab -------------------------------------------------------------------------------
+    @property
+    def draft_length(self) -> int:
+        return self.config.draft_length
+
+    def set_input_embeddings(self, embedding: nn.Module) -> None:
+        """Share the target's token embedding table (not copied, not part of the head's state dict)."""
+        weight = getattr(embedding, "weight", None)
+        if weight is None or weight.dim() != 2:
+            raise TypeError("set_input_embeddings expects an nn.Embedding-like module with a 2-D .weight")
+        vocab, dim = weight.shape
+        if dim != self.config.hidden_size:
+            raise ValueError(f"target embedding width {dim} != head hidden_size {self.config.hidden_size}")
+        if vocab != self.config.vocab_size:
+            raise ValueError(f"target embedding has {vocab} rows but the head expects vocab_size "
+                             f"{self.config.vocab_size}")
+        # plain attribute: the table belongs to the target and must not be moved or saved with the head
+        object.__setattr__(self, "_embed", embedding)
+
+    def get_input_embeddings(self) -> Optional[nn.Module]:
+        return self._embed
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Map draft-vocab ids (any shape) to target ids: `draft + d2t[draft]`."""
+        return draft_ids + self.d2t[draft_ids]
+
+    # ---- forward --------------------------------------------------------------------------------------------
+    def new_cache(self, batch_size: int, capacity: int = 256) -> DartHeadCache:
+        p = self.fc.weight
+        return DartHeadCache(batch_size, self.config.num_key_value_heads, self.config.head_dim, p.dtype, p.device,
+                             capacity)
+
+    def forward(self, aux_hidden: torch.Tensor, shifted_ids: torch.Tensor, cache: Optional[DartHeadCache] = None,
+                lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """aux_hidden [B, T, 3*Ht], shifted_ids [B, T] -> logits [B, D+1, draft_vocab].
+
+        `lengths` [B] (default T): how many of the T rows are real for each batch row (rows past it are padding).
+        With a `cache`, the real rows attend to (and are appended to) the cached rows; the mask rows never are.
+        """
+        b, t = self._check_inputs(aux_hidden, shifted_ids, cache, lengths)
+        device = aux_hidden.device
+        if lengths is None:
+            lengths = torch.full((b,), t, dtype=torch.long, device=device)
+        past = cache.lengths if cache is not None else torch.zeros(b, dtype=torch.long, device=device)
+        d = self.config.draft_length
+        dtype = self.fc.weight.dtype
+        layer = self.midlayer
+
+        s = self.fc(aux_hidden.to(dtype))  # [B, T, H]
+        e = self._embed(shifted_ids).to(dtype)  # [B, T, H]
+        x = torch.cat((layer.input_layernorm(e), layer.hidden_norm(s)), dim=-1)  # [B, T, 2H]
+        mask_rows = layer.mask_rep.to(dtype).expand(b, d, -1)
+        x = torch.cat((x, mask_rows), dim=1)  # [B, T+D, 2H]
+        residual = torch.cat((s, mask_rows[..., : self.config.hidden_size]), dim=1)  # [B, T+D, H]
+
+        positions = row_positions(past, lengths, t, d)  # [B, T+D]
+        q, k, v = layer.self_attn.qkv(x, positions, self.inv_freq)
+        span = cache.max_length() if cache is not None else 0
+        if span:
+            keys = torch.cat((cache.keys[:, :, :span], k), dim=2)
+            values = torch.cat((cache.values[:, :, :span], v), dim=2)
+        else:
+            keys, values = k, v
+        mask = step_attention_mask(past, lengths, span, t, d, dtype)  # [B, 1, T+D, span+T+D]
+        h = residual + layer.self_attn.attend(q, keys, values, mask)  # [B, T+D, H]
+
+        # keep the last real row and the D mask rows
+        last_real = (lengths - 1).clamp(min=0)
+        idx = torch.cat((last_real[:, None], t + torch.arange(d, device=device).expand(b, d)), dim=1)  # [B, D+1]
+        h = torch.gather(h, 1, idx[..., None].expand(b, d + 1, h.shape[-1]))
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        if cache is not None:
+            cache.append(k[:, :, :t], v[:, :, :t], lengths)
+        # the reference applies the final norm in forward and again in compute_logits
+        return self.lm_head(self.norm(self.norm(h)))
+
+    def _check_inputs(self, aux, ids, cache, lengths) -> tuple[int, int]:
+        cfg = self.config
+        if self._embed is None:
+            raise RuntimeError("DartHead has no input embeddings: call head.set_input_embeddings("
+                               "target.get_input_embeddings()) first")
+        if aux.dim() != 3 or aux.shape[-1] != 3 * cfg.target_hidden_size:
+            raise ValueError(f"aux_hidden must be [B, T, {3 * cfg.target_hidden_size}] (3 taps x target hidden "
+                             f"{cfg.target_hidden_size}), got {list(aux.shape)}")
+        if not aux.is_floating_point():
+            raise ValueError(f"aux_hidden must be a float tensor, got {aux.dtype}")
+        if ids.dim() != 2 or tuple(ids.shape) != tuple(aux.shape[:2]):
+            raise ValueError(f"shifted_ids must be [B, T] = {list(aux.shape[:2])}, got {list(ids.shape)}")
+        if ids.dtype not in (torch.long, torch.int32):
+            raise ValueError(f"shifted_ids must be an integer tensor, got {ids.dtype}")
+        b, t = ids.shape
+        if t == 0:
+            raise ValueError("the head needs at least one new row (T >= 1)")
+        if cache is not None and cache.batch_size != b:
+            raise ValueError(f"cache holds {cache.batch_size} rows but the inputs have batch size {b}")
+        if lengths is not None and (lengths.shape != (b,) or bool((lengths < 1).any()) or bool((lengths > t).any())):
+            raise ValueError(f"lengths must be [B]={b} values in 1..T={t}, got {lengths.tolist()}")
+        return b, t
+
+    # ---- loading and saving ---------------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, dtype: Optional[torch.dtype] = None,
+                        device: Optional[str | torch.device] = None, load_ngram: bool = True) -> "DartHead":
+        """Load an official DART checkpoint directory or one saved by `save_pretrained`."""
+        path = os.fspath(path)
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"DART head directory not found: {path}")
+        config = DartConfig.from_pretrained(path)
+        head = cls(config)
+        weights_file = os.path.join(path, WEIGHTS_NAME)
+        expected = {k: tuple(v.shape) for k, v in head.state_dict().items()}
+        state = load_safetensors_checked(weights_file, expected, optional=OPTIONAL_KEYS)
+        embed = state.pop("embed_tokens.weight", None)
+        head.load_state_dict(state, strict=True)
+        check_draft_vocab(head.d2t, config.vocab_size, source=weights_file)
+        if embed is not None:
+            head.set_input_embeddings(nn.Embedding.from_pretrained(embed, freeze=True))
+        tree = config.extra.get(TREE_CONFIG_KEY)
+        if tree is not None:
+            head.tree_config = TreeConfig.from_dict(tree)
+        ngram_file = config.extra.get(NGRAM_FILE_KEY)
+        if load_ngram and ngram_file:
+            from dart_core.ngram import NGramModel
+
+            head.ngram = NGramModel.load(os.path.join(path, ngram_file))
+        if dtype is not None or device is not None:
+            head.to(device=device, dtype=dtype)
+        return head
+
+    def save_pretrained(self, path: str | os.PathLike, dtype: Optional[torch.dtype] = None) -> None:
+        """Write config.json, model.safetensors (official names) and, if present, the n-gram, atomically per file."""
+        path = os.fspath(path)
+        os.makedirs(path, exist_ok=True)
+        state = {k: v.detach().to("cpu") for k, v in self.state_dict().items()}
+        if dtype is not None:
+            state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in state.items()}
+        save_safetensors_atomic(state, os.path.join(path, WEIGHTS_NAME), metadata={"format": "pt"})
+        config = self.config.to_dict()
+        config.setdefault("architectures", ["DartHead"])
+        if self.tree_config is not None:
+            config[TREE_CONFIG_KEY] = self.tree_config.to_dict()
+        if self.ngram is not None:
+            self.ngram.save(os.path.join(path, NGRAM_NAME))
+            config[NGRAM_FILE_KEY] = NGRAM_NAME
+        else:
+            config.pop(NGRAM_FILE_KEY, None)
+        with atomic_write(os.path.join(path, CONFIG_NAME), "w") as fh:
+            json.dump(config, fh, indent=2, sort_keys=True)
+
+
+def row_positions(past: torch.Tensor, lengths: torch.Tensor, t: int, d: int) -> torch.Tensor:
+    """RoPE positions [B, T+D]: real row i at past+i, mask row j right after the row's last real row."""
+    b = past.shape[0]
+    offs = torch.arange(t + d, device=past.device).expand(b, t + d)
+    mask_offs = lengths[:, None] + torch.arange(d, device=past.device)  # [B, D]
+    offs = torch.cat((offs[:, :t], mask_offs), dim=1)
+    return past[:, None] + offs
+
+
+def step_attention_mask(past: torch.Tensor, lengths: torch.Tensor, span: int, t: int, d: int,
+                        dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask [B, 1, T+D, span+T+D] for one head step.
+
+    Columns 0..span-1 are cached rows (visible when < past[b]); then the T new rows (visible when real and not in
+    the future) and the D mask rows (causal among themselves, after all real rows).
+    """
+    device = past.device
+    q = torch.arange(t + d, device=device)
+    cols_new = torch.arange(t + d, device=device)
+    real_col = (cols_new[None, :] < lengths[:, None]) | (cols_new[None, :] >= t)  # [B, T+D]
+    causal = cols_new[None, :] <= q[:, None]  # [T+D, T+D]
+    see_new = causal[None] & real_col[:, None, :]  # [B, T+D, T+D]
+    see_cache = (torch.arange(span, device=device)[None, :] < past[:, None])[:, None, :].expand(-1, t + d, -1)
+    see = torch.cat((see_cache, see_new), dim=-1)
+    zero = torch.zeros((), dtype=dtype, device=device)
+    return torch.where(see, zero, torch.finfo(dtype).min)[:, None]
+
+
+def check_draft_vocab(d2t: torch.Tensor, vocab_size: int, source: str = "head") -> None:
+    """Every draft id must map into the target vocab."""
+    ids = torch.arange(d2t.shape[0], device=d2t.device) + d2t
+    if d2t.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise ValueError(f"{source}: d2t maps draft ids to target ids in [{int(ids.min())}, {int(ids.max())}], "
+                         f"outside the target vocab 0..{vocab_size - 1}")

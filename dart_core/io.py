@@ -1,0 +1,70 @@
+"""File helpers shared by the core and the adapters: atomic writes and checked safetensors loading."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from typing import Iterator, Mapping, Optional
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+
+@contextlib.contextmanager
+def atomic_write(path: str, mode: str = "wb") -> Iterator:
+    """Open a temp file beside `path`; on success it replaces `path`, on error it is removed."""
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix="-" + os.path.basename(path), dir=directory)
+    try:
+        with os.fdopen(fd, mode) as fh:
+            yield fh
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def save_safetensors_atomic(tensors: Mapping[str, torch.Tensor], path: str,
+                            metadata: Optional[dict[str, str]] = None) -> None:
+    """Write a safetensors file so that readers see either the old file or the complete new one."""
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix="-" + os.path.basename(path), dir=directory)
+    os.close(fd)
+    try:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def load_safetensors_checked(path: str, expected: Mapping[str, tuple[int, ...]],
+                             optional: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    """Load `path` and check it holds exactly the `expected` keys with the expected shapes.
+
+    Keys in `optional` may be present (their shapes are not checked). Errors name the file, the key and the shapes.
+    """
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"weights file not found: {path}")
+    try:
+        state = load_file(path)
+    except (SafetensorError, OSError, ValueError) as err:
+        raise ValueError(f"{path}: not a readable safetensors file ({err})") from err
+    missing = [k for k in expected if k not in state]
+    if missing:
+        k = missing[0]
+        raise ValueError(f"{path}: missing key {k!r} (expected shape {list(expected[k])})"
+                         + (f" and {len(missing) - 1} more: {missing[1:6]}" if len(missing) > 1 else ""))
+    unknown = [k for k in state if k not in expected and k not in optional]
+    if unknown:
+        raise ValueError(f"{path}: unknown key(s) {unknown[:6]}; a DART head holds {sorted(expected)[:6]}...")
+    for k, shape in expected.items():
+        if tuple(state[k].shape) != tuple(shape):
+            raise ValueError(f"{path}: key {k!r} has shape {list(state[k].shape)}, expected {list(shape)}")
+    return state

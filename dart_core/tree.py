@@ -1,0 +1,261 @@
+"""Draft trees: the data (`DraftTree`, `DraftTreeBatch`) and the beam search with the n-gram prior that builds them."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from dart_core.config import TreeConfig
+
+
+@dataclasses.dataclass
+class DraftTree:
+    """One draft tree. Node 0 is the root (the last token already decided); every parent precedes its children.
+
+    tokens  [N] target token ids           parents [N] parent node index (-1 for the root)
+    depths  [N] root 0, its children 1...  scores  [N] search score of each node (root 0)
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depths: torch.Tensor
+    scores: torch.Tensor
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def ancestor_mask(self) -> torch.Tensor:
+        """[N, N] bool: `mask[i, j]` is True when node j is node i or one of its ancestors."""
+        return ancestor_mask(self.parents[None], self.depths[None])[0]
+
+    def paths(self) -> list[tuple[int, ...]]:
+        """The token path (root excluded) of every node but the root, in node order."""
+        tokens, parents = self.tokens.tolist(), self.parents.tolist()
+        out: list[tuple[int, ...]] = [()]
+        for i in range(1, len(tokens)):
+            out.append(out[parents[i]] + (tokens[i],))
+        return out[1:]
+
+    def leaf_paths(self) -> list[tuple[int, ...]]:
+        """Node-index paths from the root to every leaf, root included, in node order of the leaves."""
+        parents = self.parents.tolist()
+        has_child = set(parents[1:])
+        out = []
+        for leaf in range(len(parents)):
+            if leaf in has_child or (leaf == 0 and len(parents) > 1):
+                continue
+            path, node = [], leaf
+            while node != -1:
+                path.append(node)
+                node = parents[node]
+            out.append(tuple(reversed(path)))
+        return out
+
+
+@dataclasses.dataclass
+class DraftTreeBatch:
+    """B draft trees padded to a common node count N. Valid nodes come first in each row, padding after.
+
+    tokens/parents/depths [B, N] int64, scores [B, N] float32, valid [B, N] bool. Padding nodes have
+    token 0, parent -1, depth 0 and score -inf.
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depths: torch.Tensor
+    scores: torch.Tensor
+    valid: torch.Tensor
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self.tokens.shape[1])
+
+    def ancestor_mask(self) -> torch.Tensor:
+        """[B, N, N] bool: node j is node i or an ancestor of it (padding rows see only themselves)."""
+        return ancestor_mask(self.parents, self.depths)
+
+    def __len__(self) -> int:
+        return self.batch_size
+
+    def __getitem__(self, b: int) -> DraftTree:
+        n = int(self.valid[b].sum())
+        return DraftTree(self.tokens[b, :n], self.parents[b, :n], self.depths[b, :n], self.scores[b, :n])
+
+    @classmethod
+    def stack(cls, trees: list[DraftTree], num_nodes: int | None = None) -> "DraftTreeBatch":
+        """Pad single trees to `num_nodes` (default: the largest) and stack them."""
+        n = num_nodes or max(t.num_nodes for t in trees)
+        b = len(trees)
+        device = trees[0].tokens.device
+        tokens = torch.zeros(b, n, dtype=torch.long, device=device)
+        parents = torch.full((b, n), -1, dtype=torch.long, device=device)
+        depths = torch.zeros(b, n, dtype=torch.long, device=device)
+        scores = torch.full((b, n), float("-inf"), dtype=torch.float32, device=device)
+        valid = torch.zeros(b, n, dtype=torch.bool, device=device)
+        for i, t in enumerate(trees):
+            m = t.num_nodes
+            if m > n:
+                raise ValueError(f"tree {i} has {m} nodes, more than num_nodes={n}")
+            tokens[i, :m], parents[i, :m], depths[i, :m] = t.tokens, t.parents, t.depths
+            scores[i, :m], valid[i, :m] = t.scores, True
+        return cls(tokens, parents, depths, scores, valid)
+
+
+def ancestor_mask(parents: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
+    """[B, N] parents/depths -> [B, N, N] bool, True where column j is row i or one of its ancestors."""
+    b, n = parents.shape
+    eye = torch.eye(n, dtype=torch.bool, device=parents.device).expand(b, n, n)
+    mask = eye.clone()
+    # walk up: after step s, ancestor holds the (s)-th ancestor of each node (or -1 past the root)
+    ancestor = parents.clone()
+    max_depth = int(depths.max()) if depths.numel() else 0
+    rows = torch.arange(n, device=parents.device).expand(b, n)
+    for _ in range(max_depth):
+        has = ancestor >= 0
+        bi, ri = torch.nonzero(has, as_tuple=True)
+        mask[bi, rows[bi, ri], ancestor[bi, ri]] = True
+        ancestor = torch.where(has, torch.gather(parents, 1, ancestor.clamp(min=0)), ancestor)
+    return mask
+
+
+# ---- the beam search (DESIGN 2.3) -----------------------------------------------------------------------------
+
+LOG_EPS = 1e-10  # added to probabilities before the log, as in the reference
+
+
+def topk_draft_tokens(logits: torch.Tensor, k: int, d2t: torch.Tensor | None = None):
+    """Per-level candidates from head logits.
+
+    logits [..., L, Vd] -> (tokens [..., L, K] target ids, probs [..., L, K] softmax over the K top values only).
+    """
+    if k > logits.shape[-1]:
+        raise ValueError(f"topk={k} is larger than the draft vocabulary ({logits.shape[-1]})")
+    values, ids = torch.topk(logits.float(), k, dim=-1)
+    if d2t is not None:
+        ids = ids + d2t[ids]
+    return ids, torch.softmax(values, dim=-1)
+
+
+def build_draft_tree(topk_tokens: torch.Tensor, topk_probs: torch.Tensor, context, ngram=None,
+                     config: TreeConfig | None = None) -> DraftTree:
+    """One draft tree from per-level candidates [L, K] (target ids and probs) and the context ending with the root."""
+    if topk_tokens.dim() != 2:
+        raise ValueError(f"topk_tokens must be [L, K], got {list(topk_tokens.shape)}")
+    context = torch.as_tensor(context, dtype=torch.long, device=topk_tokens.device).reshape(-1)
+    if context.numel() == 0:
+        raise ValueError("context must hold at least the root token")
+    batch = build_draft_trees(topk_tokens[None], topk_probs[None], context[None], ngram, config)
+    return batch[0]
+
+
+def build_draft_trees(topk_tokens: torch.Tensor, topk_probs: torch.Tensor, contexts: torch.Tensor, ngram=None,
+                      config: TreeConfig | None = None) -> DraftTreeBatch:
+    """B draft trees at once, each with exactly min(remain_total, pool size) + 1 nodes.
+
+    topk_tokens [B, L, K] int64 target ids, topk_probs [B, L, K] float, contexts [B, C] int64: the last C tokens of
+    each sequence ending with the root token, left-padded with -1 where a sequence is shorter. The n-gram term uses
+    the last `ngram.order - 1` tokens of context + path; `ngram=None` or `ngram_weight=0` drops it.
+    """
+    cfg = config or TreeConfig()
+    _check_search_inputs(topk_tokens, topk_probs, contexts, cfg)
+    b, levels, k = topk_tokens.shape
+    device = topk_tokens.device
+    use_ngram = ngram is not None and cfg.ngram_weight > 0
+    f32 = dict(dtype=torch.float32, device=device)
+    lw = torch.tensor([cfg.level_weight(level) for level in range(levels)], **f32)  # [L]
+    ow = torch.tensor([cfg.logit_weight(level) for level in range(levels)], **f32)  # [L]
+    nw = torch.tensor(cfg.ngram_weight, **f32)
+    logit_term = torch.log(topk_probs.float() + LOG_EPS) * ow[:, None]  # [B, L, K]
+    eos_penalty = None
+    if cfg.eos_token_id is not None:
+        # EOS extensions sort after every other one when the next beam is chosen
+        eos_penalty = (topk_tokens == cfg.eos_token_id).to(torch.float64) * 1e6  # [B, L, K]
+
+    beam_scores = torch.zeros(b, 1, **f32)  # [B, nb]
+    beam_state = ngram.context_state(contexts)[:, None] if use_ngram else None  # [B, nb, S]
+    beam_parents = [torch.full((b, 1), -1, dtype=torch.long, device=device)]  # per level: pool id of each beam
+    pool_scores, pool_sizes = [], []
+    offset = 0
+    for level in range(levels):
+        nb = beam_scores.shape[1]
+        tokens = topk_tokens[:, level]  # [B, K]
+        term = logit_term[:, level, None, :]  # [B, 1, K]
+        if use_ngram and level > 0:
+            q = ngram.state_probability(beam_state.reshape(b * nb, -1),
+                                        tokens[:, None, :].expand(b, nb, k).reshape(b * nb, k), validate=False)
+            term = term + torch.log(q.view(b, nb, k) + LOG_EPS) * nw
+        cand = (beam_scores[:, :, None] + lw[level] * term).reshape(b, nb * k)  # [B, nb*K], index = beam*K + token
+        pool_scores.append(cand)
+        pool_sizes.append(nb * k)
+        if level + 1 < levels:
+            key = cand if eos_penalty is None else cand.double() - eos_penalty[:, level].repeat(1, nb)
+            order = torch.sort(key, dim=1, descending=True, stable=True).indices[:, : cfg.beam_width]  # [B, nb']
+            beam_scores = torch.gather(cand, 1, order)
+            if use_ngram:
+                parent_state = torch.gather(beam_state, 1, (order // k)[..., None].expand(-1, -1, beam_state.shape[-1]))
+                new_tok = torch.gather(tokens, 1, order % k)
+                beam_state = ngram.advance_state(parent_state.reshape(-1, parent_state.shape[-1]),
+                                                 new_tok.reshape(-1)).view(b, order.shape[1], -1)
+            beam_parents.append(offset + order)
+        offset += nb * k
+    return _select_nodes(torch.cat(pool_scores, dim=1), pool_sizes, beam_parents, topk_tokens, contexts[:, -1],
+                         cfg.remain_total)
+
+
+def _select_nodes(scores: torch.Tensor, pool_sizes: list[int], beam_parents: list[torch.Tensor],
+                  topk_tokens: torch.Tensor, root: torch.Tensor, remain_total: int) -> DraftTreeBatch:
+    """The best `remain_total` pool entries as a tree.
+
+    scores [B, P] pool scores, level-major (entry j of level l = beam j // K of that level extended by token j % K);
+    beam_parents[l] [B, nb_l] pool id of each beam of level l (-1 = root); root [B] root tokens.
+    """
+    b, p = scores.shape
+    levels, k = topk_tokens.shape[1], topk_tokens.shape[2]
+    device = scores.device
+    sizes = torch.tensor(pool_sizes, device=device)
+    level_of = torch.repeat_interleave(torch.arange(levels, device=device), sizes)  # [P]
+    level_start = torch.cumsum(sizes, 0) - sizes  # [L] first pool id of each level
+    beam_start = torch.tensor([0] + [t.shape[1] for t in beam_parents[:-1]], device=device).cumsum(0)  # [L]
+    r = min(remain_total, p)
+    # stable sort: equal scores keep pool order, so a parent (earlier level) precedes an equal-scored child
+    best = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :r]  # [B, R]
+    nodes = torch.gather(best, 1, torch.sort(level_of[best], dim=1, stable=True).indices)  # depth-major node order
+    level = level_of[nodes]  # [B, R]
+    within = nodes - level_start[level]
+    tokens = torch.gather(topk_tokens.reshape(b, levels * k), 1, level * k + within % k)
+    parent_pool = torch.gather(torch.cat(beam_parents, dim=1), 1, beam_start[level] + within // k)  # -1 = root
+    node_of_pool = torch.zeros(b, p + 1, dtype=torch.long, device=device)  # slot 0 stands for the root
+    node_of_pool.scatter_(1, nodes + 1, torch.arange(1, r + 1, device=device).expand(b, r))
+    minus1 = torch.full((b, 1), -1, dtype=torch.long, device=device)
+    return DraftTreeBatch(
+        tokens=torch.cat((root[:, None], tokens), dim=1),
+        parents=torch.cat((minus1, torch.gather(node_of_pool, 1, parent_pool + 1)), dim=1),
+        depths=torch.cat((torch.zeros_like(minus1), level + 1), dim=1),
+        scores=torch.cat((torch.zeros(b, 1, dtype=scores.dtype, device=device), torch.gather(scores, 1, nodes)), 1),
+        valid=torch.ones(b, r + 1, dtype=torch.bool, device=device),
+    )
+
+
+def _check_search_inputs(tokens: torch.Tensor, probs: torch.Tensor, contexts: torch.Tensor, cfg: TreeConfig) -> None:
+    if tokens.dim() != 3:
+        raise ValueError(f"topk_tokens must be [B, L, K], got {list(tokens.shape)}")
+    if tuple(probs.shape) != tuple(tokens.shape):
+        raise ValueError(f"topk_probs shape {list(probs.shape)} != topk_tokens shape {list(tokens.shape)}")
+    if tokens.dtype not in (torch.long, torch.int32) or not probs.is_floating_point():
+        raise ValueError(f"topk_tokens must be integer and topk_probs float, got {tokens.dtype} and {probs.dtype}")
+    if tokens.shape[1] == 0 or tokens.shape[2] == 0:
+        raise ValueError(f"need at least one level and one candidate, got {list(tokens.shape)}")
+    if bool((tokens < 0).any()):
+        raise ValueError(f"topk_tokens hold negative token ids (min {int(tokens.min())})")
+    if contexts.dim() != 2 or contexts.shape[0] != tokens.shape[0] or contexts.shape[1] == 0:
+        raise ValueError(f"contexts must be [B={tokens.shape[0]}, C>=1], got {list(contexts.shape)}")
+    if bool((contexts[:, -1] < 0).any()):
+        raise ValueError("the last context column must be the root token of every row (got -1 padding there)")
+    if cfg.topk != tokens.shape[2]:
+        raise ValueError(f"TreeConfig.topk={cfg.topk} but the candidates have K={tokens.shape[2]} per level")
