@@ -105,6 +105,10 @@ class DartConfig:
             )
         return list(ids)
 
+    def get_text_config(self, *args, **kwargs) -> "DartConfig":
+        """The config itself: transformers' assisted generation reads `assistant.config.get_text_config()`."""
+        return self
+
     # ---- (de)serialisation -------------------------------------------------------------------------------
     _FIELDS_OUT = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "vocab_size",
                    "draft_vocab_size", "draft_length", "head_dim", "target_hidden_size", "rms_norm_eps",

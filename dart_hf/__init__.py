@@ -1,0 +1,18 @@
+"""dart_hf: DART inside Hugging Face transformers.
+
+- `enable(model)` then `model.generate(input_ids, dart_head=head, ...)`: DART tree decoding (one target forward
+  verifies a whole draft tree); output identical to plain `generate()`.
+- `model.generate(input_ids, assistant_model=head)` after `enable()`: transformers' own assisted loop with
+  `DartCandidateGenerator` (a linear chain per step).
+- `dart_decoding`: the tree loop as a `custom_generate` callable for models that are not enabled.
+- `load_smollm2()`: the offline SmolLM2-135M-Instruct target.
+"""
+
+from dart_hf.candidate import DartCandidateGenerator
+from dart_hf.enable import DartGenerationMixin, enable
+from dart_hf.loop import DartStats, dart_decoding
+from dart_hf.outputs import DartGenerateOutput
+from dart_hf.smollm2 import load_smollm2
+
+__all__ = ["DartCandidateGenerator", "DartGenerateOutput", "DartGenerationMixin", "DartStats", "dart_decoding",
+           "enable", "load_smollm2"]

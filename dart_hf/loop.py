@@ -1,0 +1,210 @@
+"""DART tree decoding as a `generate(custom_generate=...)` callable: draft a tree, verify it in one target forward."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Optional
+
+import torch
+
+from dart_core import DartHead, DraftTreeBatch, TreeConfig, build_draft_tree, topk_draft_tokens, verify_tree
+from dart_core.tree import DraftTree
+from dart_hf.target import (TargetPlan, check_attention, check_cache, first_eos, keep_accepted_path, plan_for,
+                            tapped_hidden_states, tree_attention_mask)
+
+
+@dataclasses.dataclass
+class DartStats:
+    """Per-call statistics of DART decoding.
+
+    accepted_lengths: accepted draft tokens of each verify step (the bonus token not counted).
+    tau: mean tokens produced per verify step, bonus included (before stopping criteria cut the last block).
+    Times are wall-clock seconds: prefill (target + head on the prompt), head forwards, tree searches, verify
+    steps (target forward + acceptance + cache compaction) and, within those, the target forwards alone.
+    """
+
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    accepted_lengths: list[int] = dataclasses.field(default_factory=list)
+    tree_nodes: int = 0
+    prefill_time: float = 0.0
+    head_time: float = 0.0
+    tree_time: float = 0.0
+    verify_time: float = 0.0
+    target_time: float = 0.0
+
+    @property
+    def steps(self) -> int:
+        return len(self.accepted_lengths)
+
+    @property
+    def tau(self) -> float:
+        return (sum(self.accepted_lengths) + self.steps) / self.steps if self.steps else 0.0
+
+    def acceptance_by_position(self) -> list[float]:
+        """Fraction of steps that accepted at least k+1 draft tokens, for k = 0, 1, ..."""
+        if not self.steps:
+            return []
+        deepest = max(self.accepted_lengths)
+        return [sum(a > k for a in self.accepted_lengths) / self.steps for k in range(deepest)]
+
+    def as_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out.update(steps=self.steps, tau=self.tau, acceptance_by_position=self.acceptance_by_position())
+        return out
+
+
+@torch.no_grad()
+def dart_decoding(model, input_ids: torch.LongTensor, logits_processor, stopping_criteria, generation_config,
+                  synced_gpus: bool = False, streamer=None, *, dart_head: Optional[DartHead] = None, dart_ngram=None,
+                  dart_tree_config: Optional[TreeConfig] = None, dart_streamer=None, dart_tokenizer=None,
+                  **model_kwargs):
+    """Tree decoding loop for `model.generate(..., custom_generate=dart_decoding, dart_head=head)`.
+
+    Output is exactly what `generate()` returns without DART (greedy: token for token; sampling: same distribution).
+    `dart_ngram` overrides `dart_head.ngram`; `dart_tree_config` overrides `dart_head.tree_config` (default: the
+    reference settings with the target's EOS). Statistics of the call land in `model.dart_stats` (`DartStats`).
+    """
+    head = dart_head
+    if head is None:
+        raise ValueError("dart_decoding needs dart_head=<DartHead>")
+    streamer = dart_streamer if dart_streamer is not None else streamer
+    plan = _prepare(model, head, input_ids, generation_config, model_kwargs, dart_tokenizer)
+    cache = model_kwargs["past_key_values"]
+    ngram = dart_ngram if dart_ngram is not None else head.ngram
+    tree_config = dart_tree_config or head.tree_config or TreeConfig(eos_token_id=first_eos(generation_config))
+    context_len = max(ngram.order - 1, 1) if ngram is not None else 1
+    processors = logits_processor if logits_processor is not None and len(logits_processor) else None
+    do_sample = bool(generation_config.do_sample)
+    want_scores = generation_config.return_dict_in_generate and generation_config.output_scores
+    want_logits = generation_config.return_dict_in_generate and generation_config.output_logits
+    scores, raw_logits = [], []
+    stats = DartStats(prompt_tokens=int(input_ids.shape[1]))
+    model.dart_stats = stats
+    if streamer is not None:
+        streamer.put(input_ids.cpu())
+
+    # prefill: the target over the prompt; its last position picks the first token (a one-node "tree")
+    t0 = time.perf_counter()
+    n = input_ids.shape[1]
+    positions = torch.arange(n, device=input_ids.device)[None]
+    out = model(input_ids=input_ids, position_ids=positions, past_key_values=cache, use_cache=True,
+                output_hidden_states=list(plan.layer_ids))
+    root_only = DraftTree(input_ids[0, -1:], torch.tensor([-1]), torch.tensor([0]), torch.zeros(1))
+    node_logits = out.logits[:, -1:].float()  # [1, 1, V]
+    result = verify_tree(DraftTreeBatch.stack([root_only]), node_logits, context_ids=input_ids,
+                         logits_processor=processors, do_sample=do_sample)
+    new_tokens = result.bonus_token.to(input_ids.device)  # [1]
+    path_logits = node_logits[0]
+    aux_rows = tapped_hidden_states(out, plan.layer_ids)  # [1, n, 3H]
+    head_cache = head.new_cache(1)
+    head_input_ids = torch.cat((input_ids[:, 1:], new_tokens[None]), dim=1)
+    stats.prefill_time = time.perf_counter() - t0
+
+    sequence = input_ids
+    while True:
+        emitted, finished = _emit(sequence, new_tokens, stopping_criteria)
+        if want_scores or want_logits:
+            _record_scores(scores, raw_logits, sequence, new_tokens[:emitted], path_logits, processors, want_scores,
+                           want_logits)
+        sequence = torch.cat((sequence, new_tokens[None, :emitted]), dim=1)
+        stats.new_tokens += emitted
+        if streamer is not None:
+            streamer.put(new_tokens[:emitted].cpu())
+        if finished:
+            break
+        # draft: one head forward over the new real rows (+ mask rows), then the tree search
+        t0 = time.perf_counter()
+        head_logits = head(aux_rows, head_input_ids, cache=head_cache)[0]  # [D+1, Vd]
+        t1 = time.perf_counter()
+        cand_tokens, cand_probs = topk_draft_tokens(head_logits, tree_config.topk, head.d2t)
+        tree = build_draft_tree(cand_tokens, cand_probs, sequence[0, -context_len:], ngram, tree_config)
+        t2 = time.perf_counter()
+        stats.head_time += t1 - t0
+        stats.tree_time += t2 - t1
+        stats.tree_nodes = tree.num_nodes
+
+        # verify: one target forward over the tree, acceptance, cache compaction
+        past = cache.get_seq_length()
+        device = input_ids.device
+        dtype = next(model.parameters()).dtype
+        node_ids = tree.tokens[None].to(device)
+        node_positions = (past + tree.depths)[None].to(device)
+        mask = tree_attention_mask(tree.ancestor_mask(), past, dtype).to(device)
+        t3 = time.perf_counter()
+        out = model(input_ids=node_ids, position_ids=node_positions, attention_mask=mask, past_key_values=cache,
+                    use_cache=True, output_hidden_states=list(plan.layer_ids))
+        stats.target_time += time.perf_counter() - t3
+        logits = out.logits.float()  # [1, N, V]
+        result = verify_tree(DraftTreeBatch.stack([tree]), logits, context_ids=sequence,
+                             logits_processor=processors, do_sample=do_sample)
+        accepted = int(result.accept_length[0])
+        path = result.accepted_nodes[0, : accepted + 1].to(input_ids.device)  # root first
+        keep_accepted_path(cache, past, path)
+        stats.accepted_lengths.append(accepted)
+        new_tokens = torch.cat((tree.tokens[path[1:]].to(input_ids.device), result.bonus_token.to(input_ids.device)))
+        path_logits = logits[0, path]
+        aux_rows = tapped_hidden_states(out, plan.layer_ids)[:, path]  # [1, a+1, 3H]
+        head_input_ids = new_tokens[None]
+        stats.verify_time += time.perf_counter() - t2
+
+    if streamer is not None:
+        streamer.end()
+    if generation_config.return_dict_in_generate:
+        from dart_hf.outputs import DartGenerateOutput
+
+        return DartGenerateOutput(sequences=sequence, scores=tuple(scores) if want_scores else None,
+                                  logits=tuple(raw_logits) if want_logits else None,
+                                  past_key_values=cache if generation_config.use_cache else None, dart_stats=stats)
+    return sequence
+
+
+def _prepare(model, head: DartHead, input_ids, generation_config, model_kwargs, tokenizer) -> TargetPlan:
+    """Every check that can fail, before any work."""
+    if generation_config.num_beams != 1:
+        raise ValueError(f"DART does not combine with beam search (num_beams={generation_config.num_beams})")
+    if generation_config.num_return_sequences != 1:
+        raise ValueError("DART returns one sequence per prompt (num_return_sequences must be 1)")
+    if input_ids.shape[0] != 1:
+        raise ValueError(f"DART tree decoding runs one sequence at a time (batch size 1); got batch size "
+                         f"{input_ids.shape[0]}. Call generate once per prompt.")
+    if generation_config.return_dict_in_generate and (generation_config.output_attentions
+                                                      or generation_config.output_hidden_states):
+        raise ValueError("output_attentions / output_hidden_states are not available with dart_head (the target "
+                         "runs over draft trees, not one token per step)")
+    mask = model_kwargs.get("attention_mask")
+    if mask is not None and not bool(mask.all()):
+        raise ValueError("DART tree decoding does not support padded inputs (attention_mask with zeros). If the "
+                         "prompt is not padded, generate() may have guessed padding from pad_token_id occurring in "
+                         "it: pass attention_mask=torch.ones_like(input_ids)")
+    if not generation_config.use_cache:
+        raise ValueError("DART tree decoding needs use_cache=True")
+    check_attention(model)
+    cache = model_kwargs.get("past_key_values")
+    if cache is None:
+        raise ValueError("generate() prepared no cache; DART needs a DynamicCache")
+    check_cache(cache)
+    if cache.get_seq_length() != 0:
+        raise ValueError("DART tree decoding starts from an empty cache (passing past_key_values is not supported)")
+    return plan_for(model, head, tokenizer)
+
+
+def _emit(sequence, new_tokens, stopping_criteria) -> tuple[int, bool]:
+    """How many of `new_tokens` [k] to append: all, or up to the first prefix that meets a stopping criterion."""
+    for i in range(new_tokens.shape[0]):
+        if bool(stopping_criteria(torch.cat((sequence, new_tokens[None, : i + 1]), dim=1), None).any()):
+            return i + 1, True
+    return new_tokens.shape[0], False
+
+
+def _record_scores(scores, raw_logits, sequence, new_tokens, path_logits, processors, want_scores,
+                   want_logits) -> None:
+    """For each new token i: the raw logits [1, V] that chose it and the scores processed with its own prefix."""
+    for i in range(new_tokens.shape[0]):
+        logits = path_logits[i : i + 1].clone()  # [1, V]
+        if want_logits:
+            raw_logits.append(logits)
+        if want_scores:
+            prefix = torch.cat((sequence, new_tokens[None, :i]), dim=1)
+            scores.append(logits if processors is None else processors(prefix, logits.clone()))

@@ -1,0 +1,103 @@
+"""What DART needs from a stock transformers decoder-only model: checks, taps, tree forwards and KV compaction."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from dart_core import DartHead
+from dart_core.head import check_draft_vocab
+
+# attention implementations that accept an arbitrary 4D additive mask (a tree mask)
+TREE_ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetPlan:
+    """How to drive one target with one head: which hidden states to request and how to concatenate them."""
+
+    layer_ids: tuple[int, ...]  # HF `hidden_states` indices of the taps (0 = embedding output)
+    vocab_size: int
+    num_layers: int
+
+
+def plan_for(model, head: DartHead, tokenizer=None) -> TargetPlan:
+    """Check that `head` fits `model` (and `tokenizer`) and share the target embedding with the head.
+
+    Raises ValueError naming the mismatch and both numbers.
+    """
+    cfg = model.config.get_text_config()
+    if getattr(cfg, "is_encoder_decoder", False) or getattr(model.config, "is_encoder_decoder", False):
+        raise ValueError("DART needs a decoder-only causal LM; got an encoder-decoder model")
+    hidden, layers = int(cfg.hidden_size), int(cfg.num_hidden_layers)
+    if hidden != head.config.target_hidden_size:
+        raise ValueError(f"head expects target hidden size {head.config.target_hidden_size} (fc input "
+                         f"{3 * head.config.target_hidden_size}) but the target's hidden_size is {hidden}")
+    embedding = model.get_input_embeddings()
+    vocab = int(embedding.weight.shape[0])
+    if vocab != head.config.vocab_size:
+        raise ValueError(f"head was built for a vocabulary of {head.config.vocab_size} tokens but the target's "
+                         f"embedding has {vocab} rows")
+    check_draft_vocab(head.d2t, vocab, source="head d2t")
+    if tokenizer is not None and len(tokenizer) > vocab:
+        raise ValueError(f"tokenizer has {len(tokenizer)} tokens, more than the target vocabulary ({vocab})")
+    layer_ids = head.config.layer_ids_for(layers)
+    if head.get_input_embeddings() is not embedding:
+        head.set_input_embeddings(embedding)
+    return TargetPlan(layer_ids=tuple(layer_ids), vocab_size=vocab, num_layers=layers)
+
+
+def check_attention(model) -> None:
+    """Tree verification needs an attention implementation that takes a 4D additive mask."""
+    impl = getattr(model.config, "_attn_implementation", None) or "eager"
+    if impl not in TREE_ATTENTION_IMPLEMENTATIONS:
+        raise ValueError(f"DART tree decoding needs attention that accepts a tree mask ({', '.join(TREE_ATTENTION_IMPLEMENTATIONS)}); "
+                         f"the model uses {impl!r}. Load it with attn_implementation='sdpa' "
+                         f"(or call model.set_attn_implementation('sdpa')).")
+
+
+def check_cache(cache) -> None:
+    """Tree decoding compacts the KV cache in place; only full-attention DynamicCache layers support that."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    if not isinstance(cache, DynamicCache) or not all(type(layer) is DynamicLayer for layer in cache.layers):
+        kinds = sorted({type(layer).__name__ for layer in getattr(cache, "layers", [])}) or [type(cache).__name__]
+        raise ValueError(f"DART tree decoding supports a DynamicCache of full-attention layers only; got "
+                         f"{type(cache).__name__} with {', '.join(kinds)}. Leave cache_implementation unset "
+                         f"(sliding-window, static, quantized and linear-attention caches are not supported).")
+
+
+def tapped_hidden_states(outputs, layer_ids: tuple[int, ...]) -> torch.Tensor:
+    """[B, T, 3*H] concatenation of the target's hidden states at the taps."""
+    return torch.cat([outputs.hidden_states[i] for i in layer_ids], dim=-1)
+
+
+def tree_attention_mask(ancestors: torch.Tensor, past_len: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask [1, 1, N, past+N]: every node sees the whole past and its own ancestors (and itself)."""
+    n = ancestors.shape[0]
+    see = torch.cat((torch.ones(n, past_len, dtype=torch.bool, device=ancestors.device), ancestors), dim=1)
+    zero = torch.zeros((), dtype=dtype, device=ancestors.device)
+    return torch.where(see, zero, torch.finfo(dtype).min)[None, None]
+
+
+def keep_accepted_path(cache, past_len: int, path: torch.Tensor) -> None:
+    """Drop the rejected tree nodes from every layer: keep the past and the nodes `path` [k] (tree-block indices)."""
+    keep = past_len + path
+    end = past_len + keep.shape[0]
+    for layer in cache.layers:
+        # accepted rows move to the front of the block in place; the slice is a view (the next update copies anyway)
+        layer.keys[..., past_len:end, :] = layer.keys.index_select(-2, keep)
+        layer.values[..., past_len:end, :] = layer.values.index_select(-2, keep)
+        layer.keys, layer.values = layer.keys[..., :end, :], layer.values[..., :end, :]
+
+
+def first_eos(generation_config) -> Optional[int]:
+    """The (first) EOS id of a generation config, for the tree search's EOS ordering."""
+    eos = generation_config.eos_token_id
+    if isinstance(eos, torch.Tensor):
+        eos = eos.flatten().tolist()
+    if isinstance(eos, (list, tuple)):
+        return int(eos[0]) if eos else None
+    return None if eos is None else int(eos)

