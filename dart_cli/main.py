@@ -6,6 +6,8 @@ import argparse
 import sys
 from typing import Callable, Optional
 
+from dart_cli.convert import add_convert
+
 
 class UsageError(Exception):
     """Bad input from the command line; reported as one line and exit status 2."""
@@ -30,7 +32,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS: list[Callable] = [_add_demo]
+COMMANDS: list[Callable] = [_add_demo, add_convert]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -18,6 +18,8 @@ NGRAM_NAME = "ngram.safetensors"
 # keys of this project's config.json beyond the official ones
 TREE_CONFIG_KEY = "dart_tree"
 NGRAM_FILE_KEY = "dart_ngram_file"
+# the block an SGLang-flavour head directory keeps its tree settings (and "ngram_file") in
+SGLANG_CONFIG_KEY = "dart_config"
 # present in some checkpoints; the head uses the target's embedding table instead
 OPTIONAL_KEYS = ("embed_tokens.weight",)
 
@@ -190,6 +192,7 @@ class DartHead(nn.Module):
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
         self._embed: Optional[nn.Embedding] = None
+        self._embedding_from_checkpoint = False  # a table loaded with the weights is saved with them again
         self.ngram = None
         self.tree_config: Optional[TreeConfig] = None
 
@@ -198,8 +201,11 @@ class DartHead(nn.Module):
     def draft_length(self) -> int:
         return self.config.draft_length
 
-    def set_input_embeddings(self, embedding: nn.Module) -> None:
-        """Share the target's token embedding table (not copied, not part of the head's state dict)."""
+    def set_input_embeddings(self, embedding: nn.Module, save_with_head: bool = False) -> None:
+        """Share the target's token embedding table (not copied, not part of the head's state dict).
+
+        `save_with_head=True` marks a table the head's own checkpoint carried: `save_pretrained` writes it back.
+        """
         weight = getattr(embedding, "weight", None)
         if weight is None or weight.dim() != 2:
             raise TypeError("set_input_embeddings expects an nn.Embedding-like module with a 2-D .weight")
@@ -211,6 +217,7 @@ class DartHead(nn.Module):
                              f"{self.config.vocab_size}")
         # plain attribute: the table belongs to the target and must not be moved or saved with the head
         object.__setattr__(self, "_embed", embedding)
+        self._embedding_from_checkpoint = save_with_head
 
     def get_input_embeddings(self) -> Optional[nn.Module]:
         return self._embed
@@ -309,11 +316,10 @@ class DartHead(nn.Module):
         head.load_state_dict(state, strict=True)
         check_draft_vocab(head.d2t, config.vocab_size, source=weights_file)
         if embed is not None:
-            head.set_input_embeddings(nn.Embedding.from_pretrained(embed, freeze=True))
-        tree = config.extra.get(TREE_CONFIG_KEY)
+            head.set_input_embeddings(nn.Embedding.from_pretrained(embed, freeze=True), save_with_head=True)
+        tree, ngram_file = _tree_settings(config.extra)
         if tree is not None:
             head.tree_config = TreeConfig.from_dict(tree)
-        ngram_file = config.extra.get(NGRAM_FILE_KEY)
         if load_ngram and ngram_file:
             from dart_core.ngram import NGramModel
 
@@ -327,6 +333,8 @@ class DartHead(nn.Module):
         path = os.fspath(path)
         os.makedirs(path, exist_ok=True)
         state = {k: v.detach().to("cpu") for k, v in self.state_dict().items()}
+        if self._embedding_from_checkpoint:
+            state[OPTIONAL_KEYS[0]] = self._embed.weight.detach().to("cpu")
         if dtype is not None:
             state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in state.items()}
         save_safetensors_atomic(state, os.path.join(path, WEIGHTS_NAME), metadata={"format": "pt"})
@@ -341,6 +349,15 @@ class DartHead(nn.Module):
             config.pop(NGRAM_FILE_KEY, None)
         with atomic_write(os.path.join(path, CONFIG_NAME), "w") as fh:
             json.dump(config, fh, indent=2, sort_keys=True)
+
+
+def _tree_settings(extra: dict) -> tuple[Optional[dict], Optional[str]]:
+    """(tree settings, n-gram file) from this project's keys or, in an SGLang-flavour directory, `dart_config`."""
+    if TREE_CONFIG_KEY in extra or NGRAM_FILE_KEY in extra:
+        return extra.get(TREE_CONFIG_KEY), extra.get(NGRAM_FILE_KEY)
+    sglang = dict(extra.get(SGLANG_CONFIG_KEY) or {})
+    ngram_file = sglang.pop("ngram_file", None)
+    return (sglang or None), ngram_file
 
 
 def row_positions(past: torch.Tensor, lengths: torch.Tensor, t: int, d: int) -> torch.Tensor:

@@ -44,6 +44,42 @@ def save_safetensors_atomic(tensors: Mapping[str, torch.Tensor], path: str,
         raise
 
 
+_SAFETENSORS_DTYPE_NAMES = {"int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8",
+                            "float64": "F64", "float32": "F32", "float16": "F16", "bool": "BOOL"}
+
+
+def write_safetensors_arrays(arrays: Mapping[str, "np.ndarray"], path: str,
+                             metadata: Optional[dict[str, str]] = None) -> None:
+    """Write numpy arrays as a safetensors file without an in-memory copy of the data, atomically.
+
+    (safetensors' own writer builds the whole file in memory first; for multi-GB n-gram tables that doubles the
+    peak memory.)
+    """
+    import json as _json
+
+    import numpy as np
+
+    header: dict = {}
+    offset = 0
+    ordered = [(name, np.ascontiguousarray(a)) for name, a in arrays.items()]
+    for name, a in ordered:
+        kind = _SAFETENSORS_DTYPE_NAMES.get(a.dtype.name)
+        if kind is None or a.dtype.byteorder == ">":
+            raise ValueError(f"cannot store array {name!r} of dtype {a.dtype} in safetensors")
+        header[name] = {"dtype": kind, "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
+        offset += a.nbytes
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    raw = _json.dumps(header, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-(len(raw) + 8) % 8)  # data starts 8-byte aligned
+    with atomic_write(path, "wb") as fh:
+        fh.write(len(raw).to_bytes(8, "little"))
+        fh.write(raw)
+        for _, a in ordered:
+            if a.size:
+                a.tofile(fh)
+
+
 def load_safetensors_checked(path: str, expected: Mapping[str, tuple[int, ...]],
                              optional: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
     """Load `path` and check it holds exactly the `expected` keys with the expected shapes.

@@ -23,7 +23,7 @@ from typing import Iterable, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from dart_core.io import save_safetensors_atomic
+from dart_core.io import write_safetensors_arrays
 
 FORMAT_NAME = "dart-ngram"
 FORMAT_VERSION = 1
@@ -235,7 +235,8 @@ class NGramModel:
         """Write the model to a safetensors file (atomically: a reader sees the old file or the complete new one)."""
         metadata = {"format": FORMAT_NAME, "format_version": str(FORMAT_VERSION), "order": str(self.order),
                     "vocab_bound": str(self.vocab_bound)}
-        save_safetensors_atomic({"keys": self.keys.cpu(), "counts": self.counts.cpu()}, os.fspath(path), metadata)
+        write_safetensors_arrays({"keys": self.keys.cpu().numpy(), "counts": self.counts.cpu().numpy()},
+                                 os.fspath(path), metadata)
 
     @classmethod
     def load(cls, path: Union[str, os.PathLike], device: DeviceLike = None) -> "NGramModel":

@@ -236,3 +236,21 @@ def test_bad_inputs_fail_clearly():
         DartConfig(**TINY, num_target_layers=3)
     with pytest.raises(ValueError, match="only 10 layers"):
         DartConfig(**TINY, target_layer_ids=[2, 5, 12]).layer_ids_for(10)
+
+
+def test_an_embedding_carried_by_the_checkpoint_is_saved_back(tmp_path):
+    head = random_head(12)
+    table = torch.randn(TINY["vocab_size"], TINY["hidden_size"])
+    write_official_dir(tmp_path / "src", head, extra_keys={"embed_tokens.weight": table})
+    loaded = DartHead.from_pretrained(tmp_path / "src")
+    torch.testing.assert_close(loaded.get_input_embeddings().weight, table)
+    loaded.save_pretrained(tmp_path / "dst")
+    again = DartHead.from_pretrained(tmp_path / "dst")
+    torch.testing.assert_close(again.get_input_embeddings().weight, table)
+    # a shared target table is never written with the head
+    again.set_input_embeddings(torch.nn.Embedding(TINY["vocab_size"], TINY["hidden_size"]))
+    again.save_pretrained(tmp_path / "shared")
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "shared" / "model.safetensors"), "pt") as fh:
+        assert "embed_tokens.weight" not in fh.keys()

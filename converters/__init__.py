@@ -1,0 +1,47 @@
+"""dart_converters: official DART checkpoints, the official `.trie` n-gram and EAGLE3 heads -> this project's formats.
+
+    convert_official(src, dst, ngram=None, target=None, dtype=None, force=False)  official DART dir -> our head dir
+    convert_trie(src, dst, vocab_size=None, force=False, progress=True) -> stats   official .trie -> ngram.safetensors
+    convert_sglang(src, dst, target=None, num_target_layers=None, ...)             a head dir -> SGLang plugin dir
+    convert_eagle3(src, dst, draft_length, seed=0, ...)                            EAGLE3 head -> DART head (warm start)
+    read_official_trie(path) -> (NGramModel, stats); write_official_trie(path, seqs_or_model, order)
+
+Every converter refuses an existing destination unless `force`, and builds its output beside the destination
+before swapping it in, so a failure leaves no partial output. CLI: `dart-spec convert {official,trie,sglang,eagle3}`.
+"""
+
+from .heads import (
+    DTYPES,
+    check_head_against_target,
+    convert_eagle3,
+    convert_official,
+    convert_sglang,
+    init_mask_rep,
+    read_target_config,
+    sglang_config,
+)
+from .trie import (
+    NODE_ORDERS,
+    TrieFormatError,
+    convert_trie,
+    read_official_trie,
+    read_trie_header,
+    write_official_trie,
+)
+
+__all__ = [
+    "DTYPES",
+    "NODE_ORDERS",
+    "TrieFormatError",
+    "check_head_against_target",
+    "convert_eagle3",
+    "convert_official",
+    "convert_sglang",
+    "convert_trie",
+    "init_mask_rep",
+    "read_official_trie",
+    "read_target_config",
+    "read_trie_header",
+    "sglang_config",
+    "write_official_trie",
+]
