@@ -1,8 +1,13 @@
-"""`dart-spec demo`: the core pipeline (head -> tree search with n-gram -> verification) on embedded random weights."""
+"""`dart-spec demo`: SmolLM2-135M-Instruct with the shipped DART head, streamed, then timed against plain `generate()`
+(`model_demo`); `--core`: the core pipeline (head -> tree search with n-gram -> verification) on embedded random
+weights, no model (`core_demo`)."""
 
 from __future__ import annotations
 
+import statistics
+import sys
 import time
+from typing import Optional
 
 import torch
 
@@ -68,3 +73,76 @@ def core_demo(seed: int = 0, batch_size: int = 4, remain_total: int = 60, prompt
         print(f"row {b}: accepted {accepted} draft tokens + bonus {int(result.bonus_token[b])} "
               f"({accepted + 1} tokens from one verify step)")
     return {"trees": trees, "verify": result}
+
+
+DEFAULT_PROMPT = "Explain in a few sentences how a hash table works and when it is a bad choice."
+
+
+def model_demo(prompt: str = DEFAULT_PROMPT, max_new_tokens: int = 128, repeats: int = 3, calibrate: bool = False,
+               head_dir: Optional[str] = None, remain_total: Optional[int] = None) -> dict:
+    """The main job: `dart_hf.load_default()`, stream a greedy DART completion of `prompt` (chat template), then time
+    plain `generate()` and DART on it (one warm-up each, median of `repeats`) and check that the outputs are identical.
+
+    `calibrate`: measure the tree size for this machine first (progress bars; cached for later runs and for
+    `load_default`). `remain_total` overrides the tree size. Returns the numbers it printed.
+    """
+    import dataclasses
+
+    from transformers import TextStreamer
+
+    import dart_hf
+    from dart_hf.calibrate import base_tree_config, cached_calibration
+
+    model, tokenizer, head = dart_hf.load_default(head_dir)
+    if calibrate:
+        print("dart-spec demo: calibrating the tree size for this machine (once; cached)", flush=True)
+        head.tree_config = dart_hf.calibrate(model, tokenizer, head, progress=True)
+    cached = cached_calibration(model, head)
+    if calibrate and cached is not None:
+        print(cached.format_table())
+    tree_config = base_tree_config(model, head)
+    if remain_total is not None:
+        tree_config, source = dataclasses.replace(tree_config, remain_total=remain_total), "--remain-total"
+    elif cached is not None:
+        source = f"calibrated for this machine, expected {cached.expected_speedup:.2f}x"
+    else:
+        source = "the head's default; `dart-spec demo --calibrate` tunes it for this machine"
+    threads = torch.get_num_threads()
+    device = next(model.parameters()).device
+    dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+    print(f"dart-spec demo: SmolLM2-135M-Instruct ({dtype}, {device}, {threads} "
+          f"thread{'s' if threads > 1 else ''}) + DART head (D={head.config.draft_length}, draft vocab "
+          f"{head.config.draft_vocab_size}, {'no n-gram' if head.ngram is None else f'{head.ngram.order}-gram'}); "
+          f"tree of {tree_config.remain_total} draft nodes ({source})")
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                        return_tensors="pt", return_dict=True)["input_ids"].to(device)
+    common = dict(attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False)
+    print(f"prompt: {prompt}\n")
+    # the streamed run is DART's warm-up
+    streamed = model.generate(ids, dart_head=head, dart_tree_config=tree_config,
+                              streamer=TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True), **common)
+    print(flush=True)
+
+    def timed(runs: int, **kwargs) -> tuple[list[float], torch.Tensor]:
+        rates, out = [], None
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            out = model.generate(ids, **common, **kwargs)
+            rates.append((out.shape[1] - ids.shape[1]) / (time.perf_counter() - t0))
+        return rates, out
+
+    timed(1)  # plain warm-up
+    plain_rates, plain = timed(repeats)
+    dart_rates, dart = timed(repeats, dart_head=head, dart_tree_config=tree_config)
+    stats = model.dart_stats
+    identical = torch.equal(plain, dart) and torch.equal(plain, streamed)
+    plain_rate, dart_rate = statistics.median(plain_rates), statistics.median(dart_rates)
+    new_tokens = plain.shape[1] - ids.shape[1]
+    print(f"plain generate(): {plain_rate:6.1f} tokens/s (median of {repeats}, {new_tokens} tokens, greedy)")
+    print(f"DART:             {dart_rate:6.1f} tokens/s (tau {stats.tau:.2f} tokens per verify step, tree of "
+          f"{stats.tree_nodes - 1} draft nodes)")
+    print(f"speedup {dart_rate / plain_rate:.2f}x; outputs "
+          + ("identical (token for token)" if identical else "DIFFER (this is a bug; please report it)"))
+    return {"plain_tokens_per_s": plain_rate, "dart_tokens_per_s": dart_rate, "speedup": dart_rate / plain_rate,
+            "tau": stats.tau, "tree_nodes": stats.tree_nodes - 1, "new_tokens": new_tokens, "identical": identical,
+            "calibrated": cached is not None and remain_total is None}

@@ -7,6 +7,7 @@ import sys
 from typing import Callable, Optional
 
 from dart_cli.convert import add_convert
+from dart_cli.train import add_distill, add_ngram, add_train
 
 
 class UsageError(Exception):
@@ -14,25 +15,48 @@ class UsageError(Exception):
 
 
 def _add_demo(sub) -> None:
-    p = sub.add_parser("demo", help="run the DART core end to end on an embedded random head (offline)",
-                       description="Draft a tree with an embedded random head and n-gram, verify it against a "
-                                   "synthetic target, and print the tree and per-stage timings.")
-    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    p.add_argument("--batch-size", type=int, default=4, help="trees drafted at once (default 4)")
-    p.add_argument("--remain-total", type=int, default=60, help="draft nodes per tree (default 60)")
+    p = sub.add_parser("demo", help="SmolLM2 with the shipped DART head: a streamed completion and the speedup",
+                       description="Load SmolLM2-135M-Instruct and the shipped DART head (offline), stream a greedy "
+                                   "DART completion of a prompt, then time plain generate() and DART on it and "
+                                   "check that both outputs are identical. --core runs the core pipeline on an "
+                                   "embedded random head instead (no model).")
+    p.add_argument("--prompt", help="the user message (chat template applied; default: a built-in question)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per completion (default 128)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs of each method, after one warm-up (default 3)")
+    p.add_argument("--calibrate", action="store_true",
+                   help="measure the fastest tree size for this machine first (cached; later runs use it)")
+    p.add_argument("--head", metavar="DIR", help="a DART head directory instead of the shipped one")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--remain-total", type=int, help="draft nodes per tree (default: calibrated, else the head's; "
+                                                    "--core: 60)")
+    core = p.add_argument_group("--core (the core pipeline on an embedded random head, no model)")
+    core.add_argument("--core", action="store_true", help="run the core demo instead")
+    core.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    core.add_argument("--batch-size", type=int, default=4, help="trees drafted at once (default 4)")
     p.set_defaults(run=_run_demo)
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from dart_cli.demo import core_demo
+    from dart_cli.demo import DEFAULT_PROMPT, core_demo, model_demo
 
-    if args.batch_size < 1 or args.remain_total < 1:
+    if args.batch_size < 1 or (args.remain_total is not None and args.remain_total < 1):
         raise UsageError("--batch-size and --remain-total must be >= 1")
-    core_demo(seed=args.seed, batch_size=args.batch_size, remain_total=args.remain_total)
-    return 0
+    if args.max_new_tokens < 1 or args.repeats < 1 or (args.threads is not None and args.threads < 1):
+        raise UsageError("--max-new-tokens, --repeats and --threads must be >= 1")
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    if args.core:
+        core_demo(seed=args.seed, batch_size=args.batch_size, remain_total=args.remain_total or 60)
+        return 0
+    result = model_demo(prompt=args.prompt or DEFAULT_PROMPT, max_new_tokens=args.max_new_tokens,
+                        repeats=args.repeats, calibrate=args.calibrate, head_dir=args.head,
+                        remain_total=args.remain_total)
+    return 0 if result["identical"] else 1
 
 
-COMMANDS: list[Callable] = [_add_demo, add_convert]
+COMMANDS: list[Callable] = [_add_demo, add_convert, add_distill, add_train, add_ngram]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -259,3 +259,22 @@ def _check_search_inputs(tokens: torch.Tensor, probs: torch.Tensor, contexts: to
         raise ValueError("the last context column must be the root token of every row (got -1 padding there)")
     if cfg.topk != tokens.shape[2]:
         raise ValueError(f"TreeConfig.topk={cfg.topk} but the candidates have K={tokens.shape[2]} per level")
+
+
+def score_ranks(scores: torch.Tensor, nodes: torch.Tensor | None = None) -> torch.Tensor:
+    """Selection rank of draft nodes: their 0-based position among the tree's draft nodes (root excluded) sorted by
+    score descending, ties by node order.
+
+    This is the order in which `build_draft_trees` keeps pool entries (stable sort by score; equal scores keep pool
+    order, which node order preserves: depth-major, and within a depth by that same sort). So the tree built with
+    `remain_total=R` from the same candidates holds exactly the nodes of rank < R, and ranks increase from a node to
+    its children (scores never increase along a path; a tied child comes after its parent).
+
+    scores [N] node scores (node 0 = root); nodes [a] node indices >= 1 (default: every draft node) -> [a] int64.
+    """
+    draft = scores[1:]
+    index = torch.arange(1, scores.shape[0], device=scores.device)
+    nodes = index if nodes is None else nodes.to(scores.device)
+    own = scores[nodes][:, None]  # [a, 1]
+    before = (draft[None] > own) | ((draft[None] == own) & (index[None] < nodes[:, None]))  # [a, N-1]
+    return before.sum(dim=1)

@@ -5,14 +5,20 @@
 - `model.generate(input_ids, assistant_model=head)` after `enable()`: transformers' own assisted loop with
   `DartCandidateGenerator` (a linear chain per step).
 - `dart_decoding`: the tree loop as a `custom_generate` callable for models that are not enabled.
-- `load_smollm2()`: the offline SmolLM2-135M-Instruct target.
+- `load_smollm2()`: the offline SmolLM2-135M-Instruct target; `load_default()`: it plus the shipped DART head.
+- `calibrate(model, tokenizer, head)` / `tuned_tree_config(...)`: the tree size that decodes fastest on this machine
+  (measured, cached; the functions live in the module `dart_hf.calibrate`, whose name the function shadows here).
 """
 
+from dart_hf.calibrate import Calibration, cached_calibration, tuned_tree_config
+from dart_hf.calibrate import calibrate  # noqa: E402 (rebinds the name `dart_hf.calibrate` to the function)
 from dart_hf.candidate import DartCandidateGenerator
+from dart_hf.default import load_default
 from dart_hf.enable import DartGenerationMixin, enable
 from dart_hf.loop import DartStats, dart_decoding
 from dart_hf.outputs import DartGenerateOutput
 from dart_hf.smollm2 import load_smollm2
 
-__all__ = ["DartCandidateGenerator", "DartGenerateOutput", "DartGenerationMixin", "DartStats", "dart_decoding",
-           "enable", "load_smollm2"]
+__all__ = ["Calibration", "DartCandidateGenerator", "DartGenerateOutput", "DartGenerationMixin", "DartStats",
+           "cached_calibration", "calibrate", "dart_decoding", "enable", "load_default", "load_smollm2",
+           "tuned_tree_config"]

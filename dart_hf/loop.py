@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 
 from dart_core import DartHead, DraftTreeBatch, TreeConfig, build_draft_tree, topk_draft_tokens, verify_tree
-from dart_core.tree import DraftTree
+from dart_core.tree import DraftTree, score_ranks
 from dart_hf.target import (TargetPlan, check_attention, check_cache, first_eos, keep_accepted_path, plan_for,
                             tapped_hidden_states, tree_attention_mask)
 
@@ -19,6 +19,10 @@ class DartStats:
     """Per-call statistics of DART decoding.
 
     accepted_lengths: accepted draft tokens of each verify step (the bonus token not counted).
+    accepted_ranks: for each verify step, the selection rank of each accepted node (`dart_core.tree.score_ranks`:
+        0-based position among the tree's draft nodes by score). A tree of R nodes built from the same candidates
+        holds exactly the nodes of rank < R, so under greedy decoding it would have accepted the leading ranks < R
+        (`accepted_within`, `tau_at`; see `dart_hf.calibrate`). Filled by the tree loop only.
     tau: mean tokens produced per verify step, bonus included (before stopping criteria cut the last block).
     Times are wall-clock seconds: prefill (target + head on the prompt), head forwards, tree searches, verify
     steps (target forward + acceptance + cache compaction) and, within those, the target forwards alone.
@@ -27,6 +31,7 @@ class DartStats:
     prompt_tokens: int = 0
     new_tokens: int = 0
     accepted_lengths: list[int] = dataclasses.field(default_factory=list)
+    accepted_ranks: list[list[int]] = dataclasses.field(default_factory=list)
     tree_nodes: int = 0
     prefill_time: float = 0.0
     head_time: float = 0.0
@@ -41,6 +46,22 @@ class DartStats:
     @property
     def tau(self) -> float:
         return (sum(self.accepted_lengths) + self.steps) / self.steps if self.steps else 0.0
+
+    def accepted_within(self, remain_total: int) -> list[int]:
+        """Per verify step: draft tokens a tree of `remain_total` nodes would have accepted from the same state
+        (greedy), i.e. the leading accepted nodes of rank < remain_total."""
+        out = []
+        for ranks in self.accepted_ranks:
+            n = 0
+            while n < len(ranks) and ranks[n] < remain_total:
+                n += 1
+            out.append(n)
+        return out
+
+    def tau_at(self, remain_total: int) -> float:
+        """Estimated tau of a tree of `remain_total` draft nodes: 1 + mean of `accepted_within(remain_total)`."""
+        counts = self.accepted_within(remain_total)
+        return 1.0 + sum(counts) / len(counts) if counts else 0.0
 
     def acceptance_by_position(self) -> list[float]:
         """Fraction of steps that accepted at least k+1 draft tokens, for k = 0, 1, ..."""
@@ -143,6 +164,7 @@ def dart_decoding(model, input_ids: torch.LongTensor, logits_processor, stopping
         path = result.accepted_nodes[0, : accepted + 1].to(input_ids.device)  # root first
         keep_accepted_path(cache, past, path)
         stats.accepted_lengths.append(accepted)
+        stats.accepted_ranks.append(score_ranks(tree.scores, path[1:]).tolist() if accepted else [])
         new_tokens = torch.cat((tree.tokens[path[1:]].to(input_ids.device), result.bonus_token.to(input_ids.device)))
         path_logits = logits[0, path]
         aux_rows = tapped_hidden_states(out, plan.layer_ids)[:, path]  # [1, a+1, 3H]

@@ -3,12 +3,22 @@
 import subprocess
 import sys
 
+import pytest
+import torch
+
 from dart_cli.demo import core_demo
 from dart_cli.main import main
 
 
+@pytest.fixture(autouse=True)
+def keep_threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 def test_demo_runs_and_accepts_the_agreeing_path(capsys):
-    assert main(["demo", "--batch-size", "2"]) == 0
+    assert main(["demo", "--core", "--batch-size", "2"]) == 0
     assert "2 trees of 61 nodes" in capsys.readouterr().out
 
 
@@ -20,11 +30,83 @@ def test_demo_accepts_the_deepest_path_the_target_agrees_with():
 
 
 def test_bad_option_is_one_line_and_exit_2(capsys):
-    assert main(["demo", "--batch-size", "0"]) == 2
+    assert main(["demo", "--core", "--batch-size", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["dart-spec demo: error: --batch-size and --remain-total must be >= 1"]
+    assert main(["demo", "--max-new-tokens", "0"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "dart-spec demo: error: --max-new-tokens, --repeats and --threads must be >= 1"]
+
+
+def test_demo_without_the_head_is_one_line_naming_the_directory(tmp_path, monkeypatch, capsys):
+    import dart_hf.default
+
+    missing = tmp_path / "no-head"
+    assert main(["demo", "--head", str(missing)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("dart-spec demo: error: ") and str(missing) in err[0]
+    monkeypatch.setattr(dart_hf.default, "DEFAULT_HEAD_DIR", missing)  # the shipped head, when it is not there
+    assert main(["demo"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "shipped DART head" in err[0] and str(missing) in err[0]
+
+
+def smollm2_shaped_head(path):
+    from dart_core import DartConfig, DartHead, TreeConfig
+
+    torch.manual_seed(0)
+    head = DartHead(DartConfig(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
+                               vocab_size=49152, draft_vocab_size=8192, draft_length=4, target_hidden_size=576,
+                               num_target_layers=30))
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0.0, 0.02)
+        head.d2t.copy_(torch.randint(0, 49152 - 8192, (8192,)))
+    head.tree_config = TreeConfig(remain_total=8, eos_token_id=2)
+    head.save_pretrained(path, dtype=torch.float16)
+
+
+@pytest.mark.slow
+def test_real_demo_streams_times_and_checks_identity(tmp_path, monkeypatch, capsys):
+    smollm2_shaped_head(tmp_path / "head")
+    calibration = sys.modules["dart_hf.calibrate"]
+    # no calibration cached for this head: the head's own tree size is used and the demo says how to tune it
+    monkeypatch.setattr(calibration, "calibration_dir", lambda: tmp_path / "calibration")
+    assert main(["demo", "--head", str(tmp_path / "head"), "--max-new-tokens", "6", "--repeats", "1",
+                 "--threads", "1", "--prompt", "Name three colours."]) == 0
+    out = capsys.readouterr().out
+    assert "tree of 8 draft nodes (the head's default; `dart-spec demo --calibrate`" in out
+    assert "plain generate():" in out and "DART:" in out and "speedup" in out
+    assert "outputs identical (token for token)" in out
+    # --calibrate runs the calibration (stubbed here: the real one takes a minute on this CPU) and uses its choice
+    calls = []
+
+    def fake_run(model, tokenizer, head, prompts=None, **kwargs):
+        calls.append(kwargs)
+        return calibration.Calibration(
+            remain_total=3, tree_config={**head.tree_config.to_dict(), "remain_total": 3}, expected_speedup=1.5,
+            rows=[], verify_ms={1: 90.0}, plain_ms=90.0, head_ms=10.0, tree_ms=3.0, rest_ms=5.0, steps=1,
+            max_nodes=60, context_length=256, prompts=1, new_tokens=1, seconds=1.0,
+            identity=calibration.identity(model, head))
+
+    monkeypatch.setattr(calibration, "run_calibration", fake_run)
+    assert main(["demo", "--head", str(tmp_path / "head"), "--max-new-tokens", "4", "--repeats", "1",
+                 "--threads", "1", "--calibrate"]) == 0
+    out = capsys.readouterr().out
+    assert calls and calls[0]["progress"] is True
+    assert "tree of 3 draft nodes (calibrated for this machine, expected 1.50x)" in out
+    assert "outputs identical" in out
 
 
 def test_console_script_entry_point():
     proc = subprocess.run([sys.executable, "-m", "dart_cli.main", "--help"], capture_output=True, text=True)
     assert proc.returncode == 0 and "demo" in proc.stdout
+
+
+def test_ci_runs_the_readme_test_command_verbatim():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    setup = (root / "README.md").read_text().split("```bash\n", 1)[1].split("```", 1)[0].strip().splitlines()
+    assert len(setup) == 2 and setup[0].endswith("dart-spec demo") and setup[1].endswith("-m pytest")
+    assert (root / ".ci" / "run").read_text().strip().splitlines()[-1] == setup[1]

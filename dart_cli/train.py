@@ -1,0 +1,260 @@
+"""`dart-spec distill`, `dart-spec train` and `dart-spec ngram build`: make training data, train a head, build an n-gram."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+
+
+
+class UsageError(ValueError):
+    """Bad command-line input (a ValueError: `dart-spec` reports it as one line, exit status 2)."""
+
+
+# ---- distill --------------------------------------------------------------------------------------------------------
+def add_distill(sub) -> None:
+    p = sub.add_parser(
+        "distill", help="answer prompts with the target itself and store the tokens as training shards",
+        description="Self-distillation data: the target answers each prompt greedily (chat template) and the prompt "
+                    "+ answer tokens go to DIR/shard-NNNNN.npz, one shard per batch. Resumable: existing shards are "
+                    "skipped. With --text, raw text files are tokenised into shards instead (no generation).")
+    p.add_argument("--target", default="smollm2", help="'smollm2' (default) or a local transformers model directory")
+    p.add_argument("--out", required=True, metavar="DIR", help="output data directory")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompts", metavar="FILE.jsonl", help="prompts, one JSON object per line (see --field)")
+    src.add_argument("--mixed", metavar="GSM8K.jsonl",
+                     help="the built-in mix: GSM8K questions from this file + code + chat prompts")
+    src.add_argument("--text", nargs="+", metavar="FILE", help="raw text files to tokenise (paragraph = sequence)")
+    p.add_argument("--field", default="prompt", help="JSON field holding the prompt text (default: prompt)")
+    p.add_argument("--batch-size", type=int, default=16, help="prompts per generate call and shard (default 16)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="answer length limit (default 256)")
+    p.add_argument("--limit", type=int, metavar="N", help="use only the first N prompts")
+    p.add_argument("--seed", type=int, default=0, help="shuffle seed of --mixed (default 0)")
+    p.add_argument("--threads", type=int, metavar="N", help="torch CPU threads")
+    p.set_defaults(run=_run_distill)
+
+
+def read_prompts(path: str, field: str) -> list[str]:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"prompts file not found: {path}")
+    prompts = []
+    with open(path, encoding="utf-8") as fh:
+        for number, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{number}: not valid JSON ({err.msg})") from None
+            if not isinstance(record, dict) or not isinstance(record.get(field), str):
+                raise ValueError(f"{path}:{number}: no string field {field!r} (choose one with --field)")
+            prompts.append(record[field])
+    if not prompts:
+        raise ValueError(f"{path}: no prompts")
+    return prompts
+
+
+def _run_distill(args: argparse.Namespace) -> int:
+    from dart_train.data import distill, write_text_shards
+    from dart_train.trainer import load_target
+
+    _threads(args.threads)
+    for name in ("batch_size", "max_new_tokens"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.limit is not None and args.limit < 1:
+        raise UsageError("--limit must be >= 1")
+    if args.text:
+        missing = [f for f in args.text if not os.path.isfile(f)]
+        if missing:
+            raise FileNotFoundError(f"text file not found: {missing[0]}")
+        _, tokenizer = _tokenizer_only(args.target)
+        shards = write_text_shards(tokenizer, args.text, args.out)
+        print(f"wrote {shards} raw-text shard(s) to {args.out}")
+        return 0
+    if args.prompts:
+        prompts = read_prompts(args.prompts, args.field)
+    else:
+        if not os.path.isfile(args.mixed):
+            raise FileNotFoundError(f"GSM8K file not found: {args.mixed}")
+        from dart_train.prompts import mixed_prompts
+
+        prompts = mixed_prompts(args.mixed, seed=args.seed)
+    if args.limit is not None:
+        prompts = prompts[: args.limit]
+    model, tokenizer = load_target(args.target, with_tokenizer=True)
+    written = distill(model, tokenizer, prompts, args.out, batch_size=args.batch_size,
+                      max_new_tokens=args.max_new_tokens)
+    print(f"{len(prompts)} prompts: wrote {written} new shard(s) to {args.out}")
+    return 0
+
+
+def _tokenizer_only(target: str):
+    if target == "smollm2":
+        from dart_hf import load_smollm2
+
+        return load_smollm2()
+    if not (Path(target) / "config.json").is_file():
+        raise FileNotFoundError(f"target not found: {target} is not 'smollm2' or a model directory with config.json")
+    from transformers import AutoTokenizer
+
+    try:
+        return None, AutoTokenizer.from_pretrained(target)
+    except (OSError, ValueError) as err:
+        raise FileNotFoundError(f"no tokenizer in target directory {target} ({err})") from None
+
+
+# ---- train ----------------------------------------------------------------------------------------------------------
+def add_train(sub) -> None:
+    from dart_train.trainer import SAVE_DTYPES, TrainConfig
+
+    d = TrainConfig()
+    p = sub.add_parser(
+        "train", help="train a DART head on token shards (single process or torchrun)",
+        description="Train a DART draft head for a transformers causal LM: target hidden states and logits are "
+                    "computed on the fly, the head learns all D+1 positions of many anchors per sequence in one "
+                    "pass (gamma-weighted forward KL). Writes OUT/head, OUT/checkpoint-latest, OUT/eval.jsonl. "
+                    "Multi-GPU: torchrun --nproc_per_node N -m dart_cli.main train ...")
+    p.add_argument("--target", default=d.target, help="'smollm2' (default) or a local transformers model directory")
+    p.add_argument("--data", nargs="+", required=True, metavar="DIR", help="data directories with shard-*.npz")
+    p.add_argument("--out", required=True, metavar="DIR", help="output directory")
+    p.add_argument("--draft-length", type=int, default=d.draft_length, help=f"D, mask rows (default {d.draft_length})")
+    p.add_argument("--draft-vocab-size", type=int, default=d.draft_vocab_size,
+                   help=f"most frequent target tokens the head predicts (default {d.draft_vocab_size}, clamped to "
+                        "the target vocab)")
+    p.add_argument("--intermediate-size", type=int, help="head MLP width (default: the target's)")
+    p.add_argument("--seq-len", type=int, default=d.seq_len,
+                   help=f"tokens per sample; longer sequences are split into windows (default {d.seq_len})")
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help=f"sequences per step and process "
+                                                                         f"(default {d.batch_size})")
+    p.add_argument("--anchors", type=int, default=d.anchors_per_seq, dest="anchors_per_seq",
+                   help=f"anchors (mask-row blocks) per sequence (default {d.anchors_per_seq})")
+    p.add_argument("--gamma", type=float, default=d.gamma, help=f"loss weight decay per position (default {d.gamma})")
+    p.add_argument("--lr", type=float, default=d.lr, help=f"peak learning rate (default {d.lr})")
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW weight decay (default 0)")
+    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help=f"default {d.warmup_steps}")
+    p.add_argument("--steps", type=int, default=d.steps, help=f"optimizer steps (default {d.steps})")
+    p.add_argument("--grad-clip", type=float, default=d.grad_clip, help=f"gradient norm clip (default {d.grad_clip})")
+    p.add_argument("--eval-every", type=int, default=d.eval_every, help=f"default {d.eval_every}")
+    p.add_argument("--eval-sequences", type=int, default=d.eval_sequences,
+                   help=f"held-out windows per evaluation (default {d.eval_sequences})")
+    p.add_argument("--tau-prompts", type=int, default=d.tau_prompts,
+                   help=f"held-out prompts for the tree-decoding tau measurement (default {d.tau_prompts}; 0: off)")
+    p.add_argument("--tau-max-new-tokens", type=int, default=d.tau_max_new_tokens,
+                   help=f"default {d.tau_max_new_tokens}")
+    p.add_argument("--tau-every-evals", type=int, default=d.tau_every_evals,
+                   help="also measure tau every K evaluations (default 0: at the end only)")
+    p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help=f"default {d.checkpoint_every}")
+    p.add_argument("--log-every", type=int, default=d.log_every, help=f"train.jsonl interval (default {d.log_every})")
+    p.add_argument("--seed", type=int, default=d.seed, help=f"default {d.seed}")
+    p.add_argument("--heldout-fraction", type=float, default=d.heldout_fraction,
+                   help=f"sequences held out for evaluation, by index hash (default {d.heldout_fraction})")
+    p.add_argument("--init-from", metavar="HEAD_DIR", help="warm start from a head directory (e.g. converted EAGLE3)")
+    p.add_argument("--lm-head-from-target", action="store_true", dest="init_lm_head_from_target",
+                   help="start lm_head from the target's output rows of the draft vocabulary (default: random)")
+    p.add_argument("--save-dtype", choices=tuple(SAVE_DTYPES), default=d.save_dtype,
+                   help="dtype of OUT/head weights (default float32)")
+    p.add_argument("--ngram", action="store_true", help="attach a 3-gram of the training data to OUT/head")
+    p.add_argument("--ngram-order", type=int, default=d.ngram_order, help=f"default {d.ngram_order}")
+    p.add_argument("--device", default=d.device, help="auto (default), cpu, cuda, cuda:N")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint-latest")
+    p.add_argument("--stop-at", type=int, metavar="STEP", help="stop after this step (checkpoint written)")
+    p.add_argument("--threads", type=int, metavar="N", help="torch CPU threads")
+    p.add_argument("--no-progress", action="store_false", dest="progress", help="no progress bar")
+    p.set_defaults(run=_run_train)
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    from dart_train.trainer import TrainConfig, train
+
+    _threads(args.threads)
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
+    cfg.validate()  # before loading the target: bad input fails fast
+    summary = train(cfg)
+    if "head" in summary:
+        ev = summary.get("eval") or {}
+        extra = "".join(f", {k} {ev[k]:.3f}" for k in ("loss", "tau") if k in ev)
+        print(f"step {summary['step']}: wrote {summary['head']}{extra}")
+    else:
+        print(f"stopped at step {summary['step']}; checkpoint in {summary['out']}")
+    return 0
+
+
+# ---- ngram ----------------------------------------------------------------------------------------------------------
+def add_ngram(sub) -> None:
+    p = sub.add_parser("ngram", help="build the n-gram prior of the tree search",
+                       description="N-gram files for the draft-tree search.")
+    kinds = p.add_subparsers(dest="ngram_kind", metavar="KIND")
+    kinds.required = True
+    b = kinds.add_parser("build", help="count n-grams of token shards and/or raw text into a .safetensors file",
+                         description="Count every n-gram (n <= order) of the sequences in the data directories "
+                                     "(prompt and answer tokens) and of raw text files (tokenised with --target's "
+                                     "tokenizer) into this project's n-gram file.")
+    b.add_argument("--data", nargs="+", default=[], metavar="DIR", help="data directories with shard-*.npz")
+    b.add_argument("--text", nargs="+", default=[], metavar="FILE", help="raw text files (need --target)")
+    b.add_argument("--target", help="'smollm2' or a model directory: tokenizer for --text, default --vocab-size")
+    b.add_argument("--out", required=True, metavar="FILE.safetensors", help="output file")
+    b.add_argument("--order", type=int, default=3, help="n-gram order (default 3)")
+    b.add_argument("--vocab-size", type=int, metavar="N", help="token ids must lie below N (default: the target's "
+                                                               "vocab with --target, else max id + 1)")
+    b.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    b.set_defaults(run=_run_ngram_build)
+
+
+def _run_ngram_build(args: argparse.Namespace) -> int:
+    from dart_core import NGramModel
+    from dart_train.data import read_shards, text_sequences
+
+    if not args.data and not args.text:
+        raise UsageError("give --data DIR... and/or --text FILE...")
+    if args.text and not args.target:
+        raise UsageError("--text needs --target (its tokenizer)")
+    if args.order < 1:
+        raise UsageError("--order must be >= 1")
+    if args.vocab_size is not None and args.vocab_size < 1:
+        raise UsageError("--vocab-size must be >= 1")
+    if os.path.exists(args.out) and not args.force:
+        raise FileExistsError(f"{args.out} exists (use --force to replace it)")
+    for d in args.data:
+        if not os.path.isdir(d):
+            raise FileNotFoundError(f"data directory not found: {d}")
+    for f in args.text:
+        if not os.path.isfile(f):
+            raise FileNotFoundError(f"text file not found: {f}")
+    sequences = []
+    for d in args.data:
+        sequences.extend(tokens for tokens, _ in read_shards(d))
+    vocab_size = args.vocab_size
+    if args.target:
+        model, tokenizer = _tokenizer_only(args.target)
+        if vocab_size is None:
+            vocab_size = int(model.get_input_embeddings().weight.shape[0]) if model is not None else len(tokenizer)
+        sequences.extend(text_sequences(tokenizer, args.text))
+    if not any(len(s) for s in sequences):
+        raise ValueError("no tokens in the given data")
+    ngram = NGramModel.build(sequences, order=args.order, vocab_size=vocab_size, progress=sys.stderr.isatty())
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    os.makedirs(out_dir, exist_ok=True)
+    ngram.save(args.out)
+    tokens = sum(len(s) for s in sequences)
+    print(f"wrote {args.out}: order {ngram.order}, {ngram.num_nodes:,} nodes from {len(sequences):,} sequences "
+          f"({tokens:,} tokens)")
+    return 0
+
+
+def _threads(n) -> None:
+    if n is not None:
+        if n < 1:
+            raise UsageError("--threads must be >= 1")
+        import torch
+
+        torch.set_num_threads(n)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit("use: dart-spec distill|train|ngram ...")

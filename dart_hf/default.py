@@ -1,0 +1,43 @@
+"""`load_default()`: the offline default, SmolLM2-135M-Instruct plus the DART head shipped with the package."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+from dart_core import DartHead
+
+DEFAULT_HEAD_DIR = Path(__file__).resolve().parent / "assets" / "smollm2-135m-dart"
+
+
+def load_default(head_dir: Optional[str | os.PathLike] = None, *, use_calibration: bool = True,
+                 attn_implementation: str = "sdpa"):
+    """(model, tokenizer, dart_head): SmolLM2-135M-Instruct from `load_smollm2()` (enabled for `dart_head=`) and
+    the head in `head_dir` (default: the shipped `dart_hf/assets/smollm2-135m-dart/`), offline.
+
+    The head is cast to the model's dtype and device and shares its embedding. Its tree settings are the cached
+    calibration for this machine when there is one (`dart_hf.calibrate`; nothing is calibrated here), else the head's
+    own `tree_config`. Raises FileNotFoundError naming the directory when the head is missing.
+    """
+    from dart_hf.calibrate import cached_calibration
+    from dart_hf.enable import enable
+    from dart_hf.smollm2 import load_smollm2
+    from dart_hf.target import plan_for
+
+    directory = Path(head_dir) if head_dir is not None else DEFAULT_HEAD_DIR
+    if not (directory / "config.json").is_file():
+        what = "the shipped DART head for SmolLM2" if head_dir is None else "the DART head"
+        raise FileNotFoundError(f"{what} is missing: no config.json in {directory}")
+    model, tokenizer = load_smollm2(attn_implementation=attn_implementation)
+    enable(model)
+    param = next(model.parameters())
+    head = DartHead.from_pretrained(directory, dtype=param.dtype, device=param.device)
+    head.eval()
+    plan_for(model, head, tokenizer)
+    if use_calibration:
+        cached = cached_calibration(model, head)
+        if cached is not None:
+            head.tree_config = cached.to_tree_config()
+    return model, tokenizer, head
+

@@ -1,0 +1,219 @@
+"""The DART training forward (many anchors per sequence in one pass) and the distillation loss.
+
+Notation (DESIGN 2.1): a sequence x[0..T-1]; real row p (p = 0..T-2) pairs the target's tapped hidden states at
+position p, aux[p], with the embedding of x[p+1]. For an anchor p the inference head (`DartHead.forward` over real
+rows 0..p) returns D+1 outputs: output k (k = 0..D) predicts x[p+2+k], whose teacher distribution is the target's
+next-token distribution at position p+1+k.
+
+Training forward, one pass for a whole sequence and A anchors p_1..p_A (`training_forward`):
+
+    rows = [N real rows 0..N-1][block of D mask rows for p_1] ... [block of D mask rows for p_A]
+
+- real row i: input cat(input_layernorm(embed(shifted_ids[i])), hidden_norm(fc(aux[i]))), residual fc(aux[i]),
+  RoPE position i; it sees real rows <= i (plain causal attention). Its output is prediction k=0 for anchor i.
+- mask row j (j = 1..D) of the block of anchor p: input mask_rep, residual mask_rep[:H], RoPE position p+j; it sees
+  real rows <= p and rows 1..j of its OWN block, never another block and never a later real row. Its output is
+  prediction k=j for anchor p.
+
+With that mask every output equals the inference forward on the prefix (`head(aux[:, :p+1], shifted_ids[:, :p+1])`),
+which `tests/test_train.py` checks to 1e-5 (and checks that a leaky mask fails).
+
+Loss (`dart_loss`): forward KL(P_k || Q_k) at each eligible prediction, where P = softmax(target logits restricted
+to the draft vocabulary, renormalised) and Q = softmax(head logits). A prediction of x[m] (m = p+2+k) is eligible
+when m < T (the token exists in the sequence) and m >= prompt_length (it is a response token). The loss is
+
+    loss = sum_k gamma**k * mean_k,    mean_k = (sum of KL over eligible predictions at k) / max(1, #eligible at k)
+
+i.e. each k is averaged over its own eligible predictions (k=0 over all eligible real rows, k >= 1 over the eligible
+mask rows of the sampled anchors) and the per-k means are summed with weights gamma**k (not divided by sum gamma**k).
+Per-position accuracy: argmax Q == argmax P.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+from torch import nn
+
+from dart_core import DartHead
+
+
+# ---- the training mask and positions --------------------------------------------------------------------------------
+def training_positions(anchors: torch.Tensor, num_real: int, draft_length: int) -> torch.Tensor:
+    """RoPE positions [B, N + A*D]: real row i at i, row j (1..D) of the block of anchor p at p + j."""
+    b, a = anchors.shape
+    device = anchors.device
+    real = torch.arange(num_real, device=device).expand(b, num_real)
+    block = anchors[:, :, None] + torch.arange(1, draft_length + 1, device=device)  # [B, A, D]
+    return torch.cat((real, block.reshape(b, a * draft_length)), dim=1)
+
+
+def training_visibility(anchors: torch.Tensor, num_real: int, draft_length: int) -> torch.Tensor:
+    """bool [B, S, S] with S = N + A*D: entry [b, r, c] says whether row r may attend to row c (see module doc)."""
+    b, a = anchors.shape
+    d, n = draft_length, num_real
+    device = anchors.device
+    s = n + a * d
+    see = torch.zeros(b, s, s, dtype=torch.bool, device=device)
+    idx = torch.arange(n, device=device)
+    see[:, :n, :n] = idx[None, :] <= idx[:, None]  # real rows: causal
+    # block rows -> real rows: columns <= the block's anchor
+    block_anchor = anchors.repeat_interleave(d, dim=1)  # [B, A*D]
+    see[:, n:, :n] = idx[None, None, :] <= block_anchor[:, :, None]
+    # block rows -> block rows: same block and not later inside it
+    rows = torch.arange(a * d, device=device)
+    same_block = (rows[:, None] // d) == (rows[None, :] // d)
+    see[:, n:, n:] = same_block & (rows[None, :] <= rows[:, None])
+    return see
+
+
+def additive_mask(see: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """bool visibility [B, S, S] -> additive float mask [B, 1, S, S] (0 visible, finfo.min hidden)."""
+    zero = torch.zeros((), dtype=dtype, device=see.device)
+    return torch.where(see, zero, torch.finfo(dtype).min)[:, None]
+
+
+# ---- the training forward -------------------------------------------------------------------------------------------
+def training_forward(head: DartHead, aux: torch.Tensor, shifted_ids: torch.Tensor,
+                     anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """aux [B, N, 3*Ht], shifted_ids [B, N] (row i embeds x[i+1]), anchors [B, A] in 0..N-1 ->
+    (real_logits [B, N, Vd] = prediction k=0 of every real row, block_logits [B, A, D, Vd] = predictions k=1..D).
+
+    Rows past a batch row's length (right padding) only disturb later padding rows, never valid ones, as long as
+    every anchor lies inside its row's real rows.
+    """
+    if head.get_input_embeddings() is None:
+        raise RuntimeError("the head has no input embeddings: call head.set_input_embeddings(...) first")
+    b, n = shifted_ids.shape
+    a = anchors.shape[1]
+    cfg = head.config
+    d, h_size = cfg.draft_length, cfg.hidden_size
+    dtype = head.fc.weight.dtype
+    layer = head.midlayer
+
+    s = head.fc(aux.to(dtype))  # [B, N, H]
+    e = head.get_input_embeddings()(shifted_ids).to(dtype)  # [B, N, H]
+    x_real = torch.cat((layer.input_layernorm(e), layer.hidden_norm(s)), dim=-1)  # [B, N, 2H]
+    mask_rows = layer.mask_rep.to(dtype).expand(b, a * d, 2 * h_size)
+    x = torch.cat((x_real, mask_rows), dim=1)  # [B, S, 2H]
+    residual = torch.cat((s, mask_rows[..., :h_size]), dim=1)  # [B, S, H]
+
+    positions = training_positions(anchors, n, d)
+    q, k, v = layer.self_attn.qkv(x, positions, head.inv_freq)
+    mask = additive_mask(training_visibility(anchors, n, d), q.dtype)
+    h = residual + layer.self_attn.attend(q, k, v, mask)
+    h = h + layer.mlp(layer.post_attention_layernorm(h))
+    logits = head.lm_head(head.norm(head.norm(h)))  # the reference's double final norm
+    return logits[:, :n], logits[:, n:].reshape(b, a, d, -1)
+
+
+class TrainingForward(nn.Module):
+    """`training_forward` as a module (what DistributedDataParallel wraps: gradients sync through its forward)."""
+
+    def __init__(self, head: DartHead) -> None:
+        super().__init__()
+        self.head = head
+
+    def forward(self, aux, shifted_ids, anchors):
+        return training_forward(self.head, aux, shifted_ids, anchors)
+
+
+# ---- anchors --------------------------------------------------------------------------------------------------------
+def anchor_range(seq_length: int, prompt_length: int, draft_length: int) -> tuple[int, int]:
+    """[lo, hi) of anchors p whose block has at least one eligible prediction: some k in 1..D with
+    prompt_length <= p+2+k < seq_length."""
+    lo = max(0, prompt_length - 2 - draft_length)
+    hi = seq_length - 3  # p + 3 < T
+    return lo, max(lo, hi)
+
+
+def choose_anchors(seq_lengths: torch.Tensor, prompt_lengths: torch.Tensor, num_anchors: int, draft_length: int,
+                   generator: Optional[torch.Generator] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(anchors [B, A] int64 sorted, valid [B, A] bool): up to A distinct anchors per row, uniformly among the
+    useful ones (`anchor_range`); rows with fewer fill the rest with anchor 0, valid False."""
+    b = seq_lengths.shape[0]
+    anchors = torch.zeros(b, num_anchors, dtype=torch.long)
+    valid = torch.zeros(b, num_anchors, dtype=torch.bool)
+    for i in range(b):
+        lo, hi = anchor_range(int(seq_lengths[i]), int(prompt_lengths[i]), draft_length)
+        count = hi - lo
+        if count <= 0:
+            continue
+        if count <= num_anchors:
+            picked = torch.arange(lo, hi)
+        else:
+            picked = lo + torch.randperm(count, generator=generator)[:num_anchors].sort().values
+        anchors[i, : picked.numel()] = picked
+        valid[i, : picked.numel()] = True
+    return anchors, valid
+
+
+# ---- loss -----------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class LossOutput:
+    """loss: the weighted objective (differentiable). Per k = 0..D (detached, float64 sums so they add up over
+    batches and ranks): kl_sum, correct (argmax agreement), count (eligible predictions)."""
+
+    loss: torch.Tensor
+    kl_sum: torch.Tensor
+    correct: torch.Tensor
+    count: torch.Tensor
+
+    @property
+    def kl(self) -> list[float]:
+        return (self.kl_sum / self.count.clamp(min=1)).tolist()
+
+    @property
+    def accuracy(self) -> list[float]:
+        return (self.correct / self.count.clamp(min=1)).tolist()
+
+
+def kl_and_agreement(target_logits: torch.Tensor, head_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward KL(softmax(target) || softmax(head)) and argmax agreement over the last dim -> ([...], [...] bool)."""
+    t = target_logits.float()
+    log_p = torch.log_softmax(t, dim=-1)
+    log_q = torch.log_softmax(head_logits.float(), dim=-1)
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1)
+    agree = head_logits.argmax(-1) == t.argmax(-1)
+    return kl, agree
+
+
+def dart_loss(real_logits: torch.Tensor, block_logits: torch.Tensor, target_logits: torch.Tensor,
+              anchors: torch.Tensor, anchor_valid: torch.Tensor, seq_lengths: torch.Tensor,
+              prompt_lengths: torch.Tensor, gamma: float = 0.6) -> LossOutput:
+    """The loss of the module docstring.
+
+    real_logits [B, N, Vd], block_logits [B, A, D, Vd] from `training_forward`; target_logits [B, T, Vd] with
+    T >= N + 1: the target's logits at every position, already restricted to the draft vocabulary (columns
+    `draft_to_target(arange(Vd))`); seq_lengths / prompt_lengths [B] (T_b and the prompt tokens of each row).
+    """
+    b, n, _ = real_logits.shape
+    d = block_logits.shape[2]
+    device = real_logits.device
+    seq_lengths = seq_lengths.to(device)[:, None]
+    prompt_lengths = prompt_lengths.to(device)[:, None]
+
+    # k = 0: real row p predicts x[p+2] from the target's distribution at p+1
+    p = torch.arange(n, device=device)[None]
+    eligible0 = (p + 2 < seq_lengths) & (p + 2 >= prompt_lengths)  # [B, N]
+    kl0, agree0 = kl_and_agreement(target_logits[:, 1: n + 1], real_logits)
+
+    # k = 1..D: block row j of anchor p predicts x[p+2+j] from the target's distribution at p+1+j
+    j = torch.arange(1, d + 1, device=device)
+    predicted = anchors.to(device)[:, :, None] + 2 + j  # [B, A, D]
+    eligible = (predicted < seq_lengths[:, :, None]) & (predicted >= prompt_lengths[:, :, None])
+    eligible &= anchor_valid.to(device)[:, :, None]
+    src = (predicted - 1).clamp(max=target_logits.shape[1] - 1)  # [B, A, D]
+    rows = torch.arange(b, device=device)[:, None, None]
+    klk, agreek = kl_and_agreement(target_logits[rows, src], block_logits)  # [B, A, D]
+
+    zero = torch.zeros((), dtype=kl0.dtype, device=device)
+    kl_sum = torch.cat((torch.where(eligible0, kl0, zero).sum()[None],
+                        torch.where(eligible, klk, zero).sum(dim=(0, 1))))  # [D+1], differentiable
+    count = torch.cat((eligible0.sum()[None], eligible.sum(dim=(0, 1)))).to(torch.float64)
+    correct = torch.cat(((agree0 & eligible0).sum()[None], (agreek & eligible).sum(dim=(0, 1)))).to(torch.float64)
+    weights = gamma ** torch.arange(d + 1, device=device, dtype=kl_sum.dtype)
+    loss = (weights * kl_sum / count.clamp(min=1).to(kl_sum.dtype)).sum()
+    return LossOutput(loss=loss, kl_sum=kl_sum.detach().to(torch.float64), correct=correct, count=count)

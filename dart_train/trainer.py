@@ -1,0 +1,656 @@
+"""Training a DART head for a Hugging Face causal LM: data split, head set-up, the loop, evaluation, checkpoints.
+
+`train(TrainConfig(...))` (or `dart-spec train ...`) reads token shards (`dart_train.data`), runs the target on the
+fly for hidden states and teacher logits (`dart_train.features`), and optimises the head with the multi-anchor
+training forward and the gamma-weighted forward-KL loss (`dart_train.loss`). Everything that decides the result
+(weights, data order, anchors) follows from `seed` and the step number, so a resumed run reproduces an uninterrupted
+one exactly.
+
+Output directory:
+  head/                   the final head (DartHead.save_pretrained; taps recorded; optional n-gram)
+  checkpoint-latest/      head weights + trainer_state.pt (optimizer, scheduler, step, RNG states), replaced atomically
+  eval.jsonl              one JSON line per evaluation (held-out loss, per-position KL/accuracy, optional tau)
+  train.jsonl             one JSON line per `log_every` steps (loss, accuracy, lr, tokens/s, time split)
+  train_config.json       the TrainConfig of the run
+
+Multi-process (torchrun): with WORLD_SIZE > 1 the process group is initialised (nccl on CUDA, gloo on CPU), every
+rank takes its own `batch_size` sequences of each global step, the head is wrapped in DistributedDataParallel and
+only rank 0 writes files. The loss is averaged per rank and DDP averages gradients over ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+from dart_core import DartConfig, DartHead, NGramModel
+from dart_core.io import atomic_write
+from dart_train.data import read_shards
+from dart_train.features import Batch, collate, target_features
+from dart_train.loss import LossOutput, TrainingForward, choose_anchors, dart_loss
+from dart_train.vocab import build_draft_vocab
+
+CHECKPOINT_DIR = "checkpoint-latest"
+STATE_NAME = "trainer_state.pt"
+SAVE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# fields that must match when resuming (they decide shapes, data order and the held-out split)
+RESUME_FIXED = ("target", "data", "draft_length", "draft_vocab_size", "intermediate_size", "seq_len", "batch_size",
+                "anchors_per_seq", "seed", "heldout_fraction", "init_from")
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Settings of one training run (the `dart-spec train` flags; see README "Training").
+
+    Sequences longer than `seq_len` are split into consecutive windows of `seq_len` tokens (each window is a
+    separate sample; its prompt_length is what remains of the prompt inside it); windows with no response token to
+    predict are dropped. `batch_size` is per process. `steps` counts optimizer steps.
+    """
+
+    target: str = "smollm2"
+    data: list[str] = dataclasses.field(default_factory=list)
+    out: str = "runs/dart-head"
+    draft_length: int = 8
+    draft_vocab_size: int = 8192
+    intermediate_size: Optional[int] = None  # default: the target's intermediate_size
+    seq_len: int = 512
+    batch_size: int = 1
+    anchors_per_seq: int = 32
+    gamma: float = 0.6
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 50
+    steps: int = 1000
+    grad_clip: float = 1.0
+    eval_every: int = 200
+    eval_sequences: int = 64
+    tau_prompts: int = 4
+    tau_max_new_tokens: int = 64
+    tau_every_evals: int = 0  # also measure tau every K evaluations (0: only at the end)
+    checkpoint_every: int = 200
+    log_every: int = 10
+    seed: int = 0
+    heldout_fraction: float = 0.02
+    init_from: Optional[str] = None
+    init_lm_head_from_target: bool = False  # True: lm_head starts from the target's rows (no gain measured)
+    save_dtype: str = "float32"
+    ngram: bool = False
+    ngram_order: int = 3
+    device: str = "auto"
+    resume: bool = False
+    stop_at: Optional[int] = None  # stop after this step (checkpoint written), e.g. for time-boxed jobs
+    progress: bool = True
+
+    def validate(self) -> None:
+        if not self.data:
+            raise ValueError("no training data: give at least one data directory")
+        positive = ("draft_length", "draft_vocab_size", "seq_len", "batch_size", "anchors_per_seq", "steps",
+                    "eval_every", "checkpoint_every", "log_every", "ngram_order")
+        for name in positive:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("warmup_steps", "eval_sequences", "tau_prompts", "tau_max_new_tokens", "tau_every_evals"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if self.intermediate_size is not None and self.intermediate_size < 1:
+            raise ValueError(f"intermediate_size must be a positive integer, got {self.intermediate_size!r}")
+        if self.seq_len < 3:
+            raise ValueError(f"seq_len must be >= 3 (a prediction needs two tokens of context), got {self.seq_len}")
+        for name, lo, hi in (("gamma", 0.0, 1.0), ("heldout_fraction", 0.0, 0.5)):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and lo <= value <= hi):
+                raise ValueError(f"{name} must be in [{lo}, {hi}], got {value!r}")
+        for name in ("lr", "grad_clip"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
+        if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
+            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay!r}")
+        if self.save_dtype not in SAVE_DTYPES:
+            raise ValueError(f"save_dtype must be one of {', '.join(SAVE_DTYPES)}, got {self.save_dtype!r}")
+        if self.stop_at is not None and self.stop_at < 1:
+            raise ValueError(f"stop_at must be >= 1, got {self.stop_at!r}")
+        for d in self.data:
+            if not os.path.isdir(d):
+                raise FileNotFoundError(f"data directory not found: {d}")
+        if self.init_from is not None and not os.path.isdir(self.init_from):
+            raise FileNotFoundError(f"--init-from head directory not found: {self.init_from}")
+
+
+# ---- target -----------------------------------------------------------------------------------------------------
+def load_target(spec: str, device: str | torch.device = "cpu", dtype: Optional[torch.dtype] = None,
+                with_tokenizer: bool = False):
+    """(model, tokenizer or None) for "smollm2" or a local transformers model directory; eval mode, frozen."""
+    if spec == "smollm2":
+        from dart_hf import load_smollm2
+
+        model, tokenizer = load_smollm2()
+    else:
+        path = Path(spec)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"target not found: {spec} is not 'smollm2' or a model directory with config.json")
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32, attn_implementation="sdpa")
+        tokenizer = None
+        if with_tokenizer:
+            from transformers import AutoTokenizer
+
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(path)
+            except (OSError, ValueError) as err:
+                raise FileNotFoundError(f"no tokenizer in target directory {spec} ({err})") from err
+    if dtype is not None:
+        model.to(dtype)
+    model.to(device).eval()
+    model.requires_grad_(False)
+    return model, tokenizer
+
+
+# ---- data -------------------------------------------------------------------------------------------------------
+def load_sequences(data_dirs: list[str]) -> list[tuple[np.ndarray, int]]:
+    """Every (tokens, prompt_length) of every shard of `data_dirs`, in order."""
+    out = []
+    for d in data_dirs:
+        out.extend((np.asarray(t, dtype=np.int64), int(p)) for t, p in read_shards(d))
+    if not out:
+        raise ValueError(f"the data directories {data_dirs} hold no sequences")
+    return out
+
+
+def heldout_mask(num_sequences: int, fraction: float) -> np.ndarray:
+    """bool [n]: sequence i is held out when a hash of its index falls below `fraction` (deterministic, seed-free).
+
+    With fraction > 0 and at least two sequences, at least one is held out (the one with the smallest hash)."""
+    scores = np.array([int.from_bytes(hashlib.blake2b(str(i).encode(), digest_size=8).digest(), "little") / 2**64
+                       for i in range(num_sequences)])
+    mask = scores < fraction
+    if fraction > 0 and num_sequences >= 2 and not mask.any():
+        mask[int(np.argmin(scores))] = True
+    return mask
+
+
+def split_windows(sequences: list[tuple[np.ndarray, int]], seq_len: int) -> list[tuple[np.ndarray, int]]:
+    """Cut sequences into consecutive windows of at most `seq_len` tokens; keep windows with >= 3 tokens and a
+    response token at position >= 2 (something to predict)."""
+    out = []
+    for tokens, prompt in sequences:
+        for start in range(0, len(tokens), seq_len):
+            window = tokens[start: start + seq_len]
+            p = max(0, prompt - start)
+            if len(window) >= 3 and max(p, 2) < len(window):
+                out.append((window, min(p, len(window))))
+    return out
+
+
+def tau_prompt(tokens: np.ndarray, prompt_length: int, max_prompt: int = 256) -> Optional[np.ndarray]:
+    """The prompt of a held-out sequence for the tau measurement (raw text: its first half, at most 64 tokens)."""
+    if prompt_length <= 0:
+        prompt_length = min(64, len(tokens) // 2)
+    if prompt_length < 1 or prompt_length > max_prompt:
+        return None
+    return tokens[:prompt_length]
+
+
+# ---- head -------------------------------------------------------------------------------------------------------
+def target_shape(model) -> dict:
+    cfg = model.config.get_text_config()
+    hidden = int(cfg.hidden_size)
+    heads = int(cfg.num_attention_heads)
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    scaling = {k: v for k, v in rope.items() if k != "rope_theta"} if rope_type in ("linear", "llama3") else None
+    return dict(hidden_size=hidden, num_attention_heads=heads,
+                num_key_value_heads=int(getattr(cfg, "num_key_value_heads", None) or heads),
+                head_dim=int(getattr(cfg, "head_dim", None) or hidden // heads),
+                intermediate_size=int(cfg.intermediate_size), rms_norm_eps=float(cfg.rms_norm_eps),
+                rope_theta=float(theta), rope_scaling=scaling,
+                max_position_embeddings=int(getattr(cfg, "max_position_embeddings", 2048)),
+                vocab_size=int(model.get_input_embeddings().weight.shape[0]),
+                num_target_layers=int(cfg.num_hidden_layers))
+
+
+def build_head(model, cfg: TrainConfig, train_sequences: list[tuple[np.ndarray, int]]) -> DartHead:
+    """A fresh head shaped like the target (or `cfg.init_from`), draft vocab from the training data, taps recorded."""
+    shape = target_shape(model)
+    if cfg.init_from is not None:
+        head = DartHead.from_pretrained(cfg.init_from, load_ngram=False)
+        if head.config.num_target_layers is None and head.config.target_layer_ids is None:
+            head.config.num_target_layers = shape["num_target_layers"]
+        head.config.target_layer_ids = head.config.layer_ids_for(shape["num_target_layers"])
+        return head.float()
+    vocab = shape["vocab_size"]
+    draft_vocab = min(cfg.draft_vocab_size, vocab)
+    target_ids, d2t, t2d = build_draft_vocab(train_sequences, vocab, draft_vocab)
+    torch.manual_seed(cfg.seed)
+    config = DartConfig(
+        hidden_size=shape["hidden_size"], intermediate_size=cfg.intermediate_size or shape["intermediate_size"],
+        num_attention_heads=shape["num_attention_heads"], num_key_value_heads=shape["num_key_value_heads"],
+        head_dim=shape["head_dim"], vocab_size=vocab, draft_vocab_size=draft_vocab, draft_length=cfg.draft_length,
+        target_hidden_size=shape["hidden_size"], rms_norm_eps=shape["rms_norm_eps"],
+        rope_theta=shape["rope_theta"], rope_scaling=shape["rope_scaling"],
+        max_position_embeddings=shape["max_position_embeddings"], num_target_layers=shape["num_target_layers"])
+    head = DartHead(config)
+    with torch.no_grad():
+        head.midlayer.mask_rep.normal_(0.0, 1.0)  # like the reference's torch.randn(2H)
+        head.d2t.copy_(d2t)
+        head.t2d.copy_(t2d)
+        out = model.get_output_embeddings()
+        if cfg.init_lm_head_from_target and out is not None and out.weight.shape[1] == config.hidden_size:
+            head.lm_head.weight.copy_(out.weight[torch.as_tensor(target_ids)].float())
+    return head
+
+
+# ---- schedule, checkpoints ----------------------------------------------------------------------------------------
+def lr_factor(step: int, warmup: int, total: int) -> float:
+    """Linear warmup over `warmup` steps, then cosine decay to 0 at `total`."""
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def replace_dir(tmp: Path, dest: Path) -> None:
+    """Move the finished directory `tmp` to `dest`, replacing an existing one (old copy kept as dest.old until the
+    new one is in place, so a crash leaves one complete copy)."""
+    old = dest.with_name(dest.name + ".old")
+    if old.exists():
+        shutil.rmtree(old)
+    if dest.exists():
+        os.replace(dest, old)
+    os.replace(tmp, dest)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def _mkdtemp(parent: Path, prefix: str) -> Path:
+    """A temp dir beside the destination, with ordinary directory permissions (mkdtemp makes it 0700)."""
+    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)
+    return tmp
+
+
+def save_checkpoint(out: Path, head: DartHead, optimizer, scheduler, state: dict) -> None:
+    tmp = _mkdtemp(out, ".tmp-checkpoint-")
+    try:
+        head.save_pretrained(tmp)
+        torch.save({**state, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                    "rng": _rng_state()}, tmp / STATE_NAME)
+        replace_dir(tmp, out / CHECKPOINT_DIR)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def find_checkpoint(out: Path) -> Path:
+    for name in (CHECKPOINT_DIR, CHECKPOINT_DIR + ".old"):  # .old: a crash between the two renames
+        if (out / name / STATE_NAME).is_file():
+            return out / name
+    raise FileNotFoundError(f"--resume: no checkpoint in {out / CHECKPOINT_DIR}")
+
+
+def truncate_log(path: Path, last_step: int) -> None:
+    """Keep the JSON lines of `path` whose "step" is <= last_step (atomically); a missing file is left alone."""
+    if not path.is_file():
+        return
+    keep = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            if int(json.loads(line).get("step", 0)) <= last_step:
+                keep.append(line)
+        except (ValueError, AttributeError):
+            continue
+    with atomic_write(str(path), "w") as fh:
+        fh.write("".join(k + "\n" for k in keep))
+
+
+# ---- distributed ----------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Dist:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(device: str) -> tuple[Dist, torch.device]:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    dist = Dist(int(os.environ.get("RANK", "0")), world, int(os.environ.get("LOCAL_RANK", "0")))
+    use_cuda = torch.cuda.is_available() if device == "auto" else device.startswith("cuda")
+    if use_cuda:
+        dev = torch.device("cuda", dist.local_rank) if device in ("auto", "cuda") else torch.device(device)
+        torch.cuda.set_device(dev)
+    else:
+        dev = torch.device("cpu" if device == "auto" else device)
+    if world > 1 and not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(hours=2))
+    return dist, dev
+
+
+def _all_reduce(t: torch.Tensor, dist: Dist) -> torch.Tensor:
+    if dist.world > 1:
+        torch.distributed.all_reduce(t)
+    return t
+
+
+# ---- the loop -----------------------------------------------------------------------------------------------------
+class Trainer:
+    """One training run. `Trainer(cfg, model=None).run()`; `model` lets callers (tests) pass a loaded target."""
+
+    def __init__(self, cfg: TrainConfig, model=None) -> None:
+        cfg.validate()
+        self.cfg = cfg
+        self.dist, self.device = init_distributed(cfg.device)
+        self.out = Path(cfg.out)
+        sequences = load_sequences(cfg.data)
+        held = heldout_mask(len(sequences), cfg.heldout_fraction)
+        self.train_sequences = [s for s, h in zip(sequences, held) if not h]
+        self.heldout_sequences = [s for s, h in zip(sequences, held) if h]
+        self.train_windows = split_windows(self.train_sequences, cfg.seq_len)
+        self.heldout_windows = split_windows(self.heldout_sequences, cfg.seq_len)[: cfg.eval_sequences]
+        if not self.train_windows:
+            raise ValueError(f"no training sequences with tokens to predict in {cfg.data}")
+        on_cuda = self.device.type == "cuda"
+        if model is None:
+            model, _ = load_target(cfg.target, self.device, torch.bfloat16 if on_cuda else None)
+        else:
+            model.to(self.device).eval().requires_grad_(False)
+        self.model = model
+        self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if on_cuda else None
+        if self.dist.main:
+            self.out.mkdir(parents=True, exist_ok=True)
+
+
+        self.start_step = 0
+        resume_state = None
+        if cfg.resume:
+            ckpt = find_checkpoint(self.out)
+            resume_state = torch.load(ckpt / STATE_NAME, map_location="cpu", weights_only=False)
+            saved = resume_state.get("config", {})
+            diff = [k for k in RESUME_FIXED if k in saved and saved[k] != getattr(cfg, k)]
+            if diff:
+                raise ValueError(f"--resume: settings differ from the checkpoint's: "
+                                 + ", ".join(f"{k} {saved[k]!r} -> {getattr(cfg, k)!r}" for k in diff))
+            head = DartHead.from_pretrained(ckpt, load_ngram=False)
+            self.start_step = int(resume_state["step"])
+        else:
+            head = build_head(model, cfg, self.train_sequences)
+        head.to(self.device)
+        head.set_input_embeddings(model.get_input_embeddings())
+        from dart_hf.target import plan_for
+
+        self.layer_ids = plan_for(model, head).layer_ids
+        self.head = head
+        # target ids of the draft vocabulary: the teacher logits are taken at these columns
+        self.vocab_ids = head.draft_to_target(torch.arange(head.config.draft_vocab_size, device=self.device))
+
+        self.forward = TrainingForward(head)
+        if self.dist.world > 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            self.forward = DistributedDataParallel(
+                self.forward, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                broadcast_buffers=False)
+        self.optimizer = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: lr_factor(s, cfg.warmup_steps, cfg.steps))
+        self.evals_done = 0
+        if resume_state is not None:
+            self.optimizer.load_state_dict(resume_state["optimizer"])
+            self.scheduler.load_state_dict(resume_state["scheduler"])
+            self.evals_done = int(resume_state.get("evals_done", 0))
+            _set_rng_state(resume_state["rng"])
+        if self.dist.main:
+            with atomic_write(str(self.out / "train_config.json"), "w") as fh:
+                json.dump(dataclasses.asdict(cfg), fh, indent=2)
+            if resume_state is not None:  # drop log lines of steps after the checkpoint: they are redone
+                for name in ("train.jsonl", "eval.jsonl"):
+                    truncate_log(self.out / name, self.start_step)
+
+    # -- data order: a pure function of (seed, step), so resuming needs only the step
+    def samples_for(self, step: int) -> list[tuple[np.ndarray, int]]:
+        cfg, n = self.cfg, len(self.train_windows)
+        per_step = cfg.batch_size * self.dist.world
+        first = step * per_step + self.dist.rank * cfg.batch_size
+        out = []
+        for g in range(first, first + cfg.batch_size):
+            epoch, pos = divmod(g, n)
+            out.append(self.train_windows[int(self._epoch_order(epoch)[pos])])
+        return out
+
+    def _epoch_order(self, epoch: int) -> torch.Tensor:
+        """The shuffled window order of `epoch` (seeded by seed and epoch; the last two epochs are cached)."""
+        cache = self.__dict__.setdefault("_orders", {})
+        if epoch not in cache:
+            if len(cache) >= 2:
+                cache.pop(min(cache))
+            seed = self.cfg.seed * 1_000_003 + epoch
+            cache[epoch] = torch.randperm(len(self.train_windows), generator=torch.Generator().manual_seed(seed))
+        return cache[epoch]
+
+    def _anchor_generator(self, step: int) -> torch.Generator:
+        return torch.Generator().manual_seed((self.cfg.seed * 1_000_003 + step) * 4099 + self.dist.rank)
+
+    def compute(self, batch: Batch, generator: torch.Generator) -> tuple[LossOutput, float, float]:
+        """Loss of one batch -> (LossOutput, target seconds, head forward seconds)."""
+        t0 = time.perf_counter()
+        aux, teacher = target_features(self.model, self.layer_ids, batch.input_ids, batch.attention_mask,
+                                       self.vocab_ids)
+        self._sync()
+        t1 = time.perf_counter()
+        anchors, valid = choose_anchors(batch.lengths.cpu(), batch.prompt_lengths.cpu(), self.cfg.anchors_per_seq,
+                                        self.head.config.draft_length, generator)
+        anchors, valid = anchors.to(self.device), valid.to(self.device)
+        if self.autocast is not None:
+            with self.autocast:
+                real, blocks = self.forward(aux[:, :-1], batch.input_ids[:, 1:], anchors)
+        else:
+            real, blocks = self.forward(aux[:, :-1], batch.input_ids[:, 1:], anchors)
+        out = dart_loss(real, blocks, teacher, anchors, valid, batch.lengths, batch.prompt_lengths, self.cfg.gamma)
+        return out, t1 - t0, time.perf_counter() - t1
+
+    def train_step(self, step: int) -> dict:
+        batch = collate(self.samples_for(step)).to(self.device)
+        self.head.train()
+        out, t_target, t_fwd = self.compute(batch, self._anchor_generator(step))
+        t0 = time.perf_counter()
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.head.parameters(), self.cfg.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._sync()
+        t_head = t_fwd + time.perf_counter() - t0
+        return {"loss": float(out.loss.detach()), "kl_sum": out.kl_sum, "correct": out.correct, "count": out.count,
+                "tokens": batch.num_tokens, "target_s": t_target, "head_s": t_head}
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":  # honest per-phase timings
+            torch.cuda.synchronize(self.device)
+
+    @torch.no_grad()
+    def evaluate(self) -> Optional[dict]:
+        """Held-out loss (same weighting as training) and per-position KL / accuracy; None without held-out data."""
+        windows = self.heldout_windows[self.dist.rank:: self.dist.world]
+        if not self.heldout_windows:
+            return None
+        self.head.eval()
+        d = self.head.config.draft_length
+        kl_sum = torch.zeros(d + 1, dtype=torch.float64)
+        correct, count = torch.zeros_like(kl_sum), torch.zeros_like(kl_sum)
+        generator = torch.Generator().manual_seed(12345)  # the same anchors at every evaluation
+        for i in range(0, len(windows), self.cfg.batch_size):
+            batch = collate(windows[i: i + self.cfg.batch_size]).to(self.device)
+            out, _, _ = self.compute(batch, generator)
+            kl_sum += out.kl_sum.cpu()
+            correct += out.correct.cpu()
+            count += out.count.cpu()
+        sums = _all_reduce(torch.stack((kl_sum, correct, count)).to(self.device), self.dist).cpu()
+        kl_sum, correct, count = sums
+        mean_kl = kl_sum / count.clamp(min=1)
+        weights = self.cfg.gamma ** torch.arange(d + 1, dtype=torch.float64)
+        return {"loss": float((weights * mean_kl).sum()), "kl": mean_kl.tolist(),
+                "acc": (correct / count.clamp(min=1)).tolist(), "count": count.long().tolist()}
+
+    @torch.no_grad()
+    def measure_tau(self) -> Optional[dict]:
+        """Tree-decoding tau (tokens per target verify step) on the prompts of a few held-out sequences."""
+        import dart_hf
+
+        prompts = [p for p in (tau_prompt(t, pl) for t, pl in self.heldout_sequences) if p is not None]
+        prompts = prompts[: self.cfg.tau_prompts]
+        if not prompts or not self.cfg.tau_max_new_tokens:
+            return None
+        self.head.eval()
+        model = dart_hf.enable(self.model)
+        accepted, per_prompt = [], []
+        for prompt in prompts:
+            ids = torch.as_tensor(prompt, dtype=torch.long, device=self.device)[None]
+            model.generate(ids, attention_mask=torch.ones_like(ids), dart_head=self.head, do_sample=False,
+                           max_new_tokens=self.cfg.tau_max_new_tokens)
+            stats = model.dart_stats
+            accepted.extend(stats.accepted_lengths)
+            per_prompt.append(stats.tau)
+        steps = len(accepted)
+        return {"tau": (sum(accepted) + steps) / steps if steps else 0.0, "tau_per_prompt": per_prompt,
+                "tau_prompts": len(prompts)}
+
+    def _log(self, name: str, record: dict) -> None:
+        if self.dist.main:
+            with open(self.out / name, "a", encoding="utf-8") as fh:
+                fh.write(json.dumps(record) + "\n")
+
+    def _eval_and_log(self, step: int, final: bool) -> Optional[dict]:
+        record = self.evaluate()
+        self.evals_done += 1
+        want_tau = final or (self.cfg.tau_every_evals and self.evals_done % self.cfg.tau_every_evals == 0)
+        tau = self.measure_tau() if want_tau and self.dist.main else None
+        if record is None and tau is None:
+            return None
+        record = {"step": step, **(record or {}), **(tau or {})}
+        self._log("eval.jsonl", record)
+        if self.dist.world > 1:
+            torch.distributed.barrier()
+        return record
+
+    def _checkpoint(self, step: int) -> None:
+        if self.dist.main:
+            save_checkpoint(self.out, self.head, self.optimizer, self.scheduler,
+                            {"step": step, "samples_seen": step * self.cfg.batch_size * self.dist.world,
+                             "evals_done": self.evals_done, "config": dataclasses.asdict(self.cfg)})
+        if self.dist.world > 1:
+            torch.distributed.barrier()
+
+    def run(self) -> dict:
+        """Train from `start_step` to `steps` (or `stop_at`); returns a summary dict."""
+        from tqdm import tqdm
+
+        cfg = self.cfg
+        end = min(cfg.steps, cfg.stop_at) if cfg.stop_at is not None else cfg.steps
+        d = self.head.config.draft_length
+        bar = tqdm(total=cfg.steps, initial=self.start_step, desc="train", unit="step",
+                   disable=not (cfg.progress and self.dist.main), dynamic_ncols=True)
+        window = {"kl_sum": torch.zeros(d + 1, dtype=torch.float64), "correct": torch.zeros(d + 1, dtype=torch.float64),
+                  "count": torch.zeros(d + 1, dtype=torch.float64), "loss": 0.0, "n": 0, "tokens": 0,
+                  "target_s": 0.0, "head_s": 0.0, "t0": time.perf_counter()}
+        last_eval, losses = None, []
+        step = self.start_step
+        while step < end:
+            result = self.train_step(step)
+            step += 1
+            losses.append(result["loss"])
+            for k in ("kl_sum", "correct", "count"):
+                window[k] += result[k].cpu()
+            for k in ("loss", "tokens", "target_s", "head_s"):
+                window[k] += result[k]
+            window["n"] += 1
+            elapsed = time.perf_counter() - window["t0"]
+            acc = (window["correct"] / window["count"].clamp(min=1)).tolist()
+            tok_s = window["tokens"] * self.dist.world / max(elapsed, 1e-9)
+            bar.set_postfix_str(f"loss {window['loss'] / window['n']:.3f} acc " +
+                                "/".join(f"{a:.2f}" for a in acc[:3]) + f" {tok_s:.0f} tok/s")
+            bar.update(1)
+            if step % cfg.log_every == 0 or step == end:
+                self._log("train.jsonl", {"step": step, "loss": window["loss"] / window["n"], "acc": acc,
+                                          "lr": self.scheduler.get_last_lr()[0], "tokens_per_s": tok_s,
+                                          "target_s_per_step": window["target_s"] / window["n"],
+                                          "head_s_per_step": window["head_s"] / window["n"]})
+                window.update(kl_sum=window["kl_sum"] * 0, correct=window["correct"] * 0,
+                              count=window["count"] * 0, loss=0.0, n=0, tokens=0, target_s=0.0, head_s=0.0,
+                              t0=time.perf_counter())
+            finished = step == cfg.steps
+            if step % cfg.eval_every == 0 and not finished:
+                last_eval = self._eval_and_log(step, final=False)
+                if last_eval is not None and self.dist.main:
+                    bar.write(f"step {step}: held-out loss {last_eval.get('loss', float('nan')):.4f} acc "
+                              + "/".join(f"{a:.2f}" for a in last_eval.get("acc", [])[:4]))
+            if step % cfg.checkpoint_every == 0 or step == end:
+                self._checkpoint(step)
+        bar.close()
+        summary = {"step": step, "losses": losses, "out": str(self.out)}
+        if step == cfg.steps:
+            if cfg.ngram:
+                self.head.ngram = NGramModel.build([t for t, _ in self.train_sequences], order=cfg.ngram_order,
+                                                   vocab_size=self.head.config.vocab_size)
+            summary["eval"] = self._eval_and_log(step, final=True)
+            if self.dist.main:
+                self.save_head(self.out / "head")
+            summary["head"] = str(self.out / "head")
+        if self.dist.world > 1:
+            torch.distributed.barrier()
+        return summary
+
+    def save_head(self, dest: Path) -> None:
+        tmp = _mkdtemp(dest.parent, ".tmp-head-")
+        try:
+            self.head.save_pretrained(tmp, dtype=SAVE_DTYPES[self.cfg.save_dtype])
+            replace_dir(tmp, dest)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+
+def train(cfg: TrainConfig, model=None) -> dict:
+    """Run one training job (see `Trainer`); returns {"step", "losses", "out", "eval", "head"}."""
+    trainer = Trainer(cfg, model=model)
+    try:
+        return trainer.run()
+    finally:
+        if trainer.dist.world > 1 and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()

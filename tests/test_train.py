@@ -1,0 +1,381 @@
+"""dart_train: the multi-anchor training forward equals the inference forward, the loss, the draft vocabulary, the
+trainer (loss goes down, resume is exact) and the `train` / `ngram build` / `distill` commands."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import dart_train.loss as loss_mod
+from dart_cli.main import main
+from dart_core import DartHead, NGramModel
+from dart_train.data import read_shards, write_shard
+from dart_train.features import collate, target_features
+from dart_train.loss import (anchor_range, choose_anchors, dart_loss, kl_and_agreement, training_forward,
+                             training_visibility)
+from dart_train.trainer import TrainConfig, Trainer, heldout_mask, lr_factor, split_windows, train
+from dart_train.vocab import build_draft_vocab, count_tokens, draft_vocab_buffers, select_draft_tokens
+from hf_models import random_head, tiny_target
+
+torch.set_num_threads(1)
+
+
+# ---- the training forward -----------------------------------------------------------------------------------------
+def _head_and_inputs(seed: int, draft_length: int, n: int = 13, batch: int = 2):
+    target = tiny_target(seed=seed)
+    head = random_head(target, draft_length=draft_length, draft_vocab=48, seed=seed + 1)
+    head.set_input_embeddings(target.get_input_embeddings())
+    g = torch.Generator().manual_seed(seed)
+    aux = torch.randn(batch, n, 3 * head.config.target_hidden_size, generator=g)
+    ids = torch.randint(0, head.config.vocab_size, (batch, n), generator=g)
+    # first/last real row, a repeated anchor, anchors in any order
+    anchors = torch.tensor([[0, 5, n - 1, 3], [7, 7, 2, n - 2]])[:batch]
+    return head, aux, ids, anchors
+
+
+def _max_error_vs_inference(head, aux, ids, anchors) -> float:
+    """Largest |training output - inference output on the prefix| over all anchors and all D+1 positions."""
+    with torch.no_grad():
+        real, blocks = training_forward(head, aux, ids, anchors)
+        err = 0.0
+        for b in range(anchors.shape[0]):
+            for a in range(anchors.shape[1]):
+                p = int(anchors[b, a])
+                reference = head(aux[b:b + 1, : p + 1], ids[b:b + 1, : p + 1])[0]  # [D+1, Vd]
+                got = torch.cat((real[b, p:p + 1], blocks[b, a]))
+                err = max(err, float((reference - got).abs().max()))
+    return err
+
+
+@pytest.mark.parametrize("seed,draft_length", [(0, 4), (1, 1), (2, 6)])
+def test_training_forward_equals_inference_forward_per_anchor(seed, draft_length):
+    head, aux, ids, anchors = _head_and_inputs(seed, draft_length)
+    assert _max_error_vs_inference(head, aux, ids, anchors) < 1e-5
+
+
+def _blocks_see_each_other(anchors, n, d):
+    see = training_visibility(anchors, n, d)
+    see[:, n:, n:] = True
+    return see
+
+
+def _blocks_see_later_real_rows(anchors, n, d):
+    see = training_visibility(anchors, n, d)
+    see[:, n:, :n] = True
+    return see
+
+
+def _real_rows_see_blocks(anchors, n, d):
+    see = training_visibility(anchors, n, d)
+    see[:, :n, n:] = True
+    return see
+
+
+@pytest.mark.parametrize("broken", [_blocks_see_each_other, _blocks_see_later_real_rows, _real_rows_see_blocks])
+def test_a_leaky_training_mask_fails_the_equivalence_check(monkeypatch, broken):
+    head, aux, ids, anchors = _head_and_inputs(0, 4)
+    monkeypatch.setattr(loss_mod, "training_visibility", broken)
+    assert _max_error_vs_inference(head, aux, ids, anchors) > 1e-2
+
+
+def test_training_mask_hand_case():
+    # N = 3 real rows, D = 2, anchors (1, 0): rows 0-2 real, 3-4 block of anchor 1, 5-6 block of anchor 0
+    see = training_visibility(torch.tensor([[1, 0]]), 3, 2)[0].int().tolist()
+    assert see == [[1, 0, 0, 0, 0, 0, 0],
+                   [1, 1, 0, 0, 0, 0, 0],
+                   [1, 1, 1, 0, 0, 0, 0],
+                   [1, 1, 0, 1, 0, 0, 0],
+                   [1, 1, 0, 1, 1, 0, 0],
+                   [1, 0, 0, 0, 0, 1, 0],
+                   [1, 0, 0, 0, 0, 1, 1]]
+    assert loss_mod.training_positions(torch.tensor([[1, 0]]), 3, 2).tolist() == [[0, 1, 2, 2, 3, 1, 2]]
+
+
+# ---- loss, eligibility, anchors -----------------------------------------------------------------------------------
+def test_kl_and_accuracy_hand_case():
+    target = torch.log(torch.tensor([[0.5, 0.25, 0.25]]))
+    head = torch.log(torch.tensor([[0.25, 0.5, 0.25]]))
+    kl, agree = kl_and_agreement(target, head)
+    expected = 0.5 * math.log(0.5 / 0.25) + 0.25 * math.log(0.25 / 0.5) + 0.0
+    assert kl.item() == pytest.approx(expected, abs=1e-6)
+    assert agree.tolist() == [False]
+    kl, agree = kl_and_agreement(target + 3.0, target)  # shift-invariant: identical distributions
+    assert kl.item() == pytest.approx(0.0, abs=1e-6) and agree.tolist() == [True]
+
+
+def test_loss_eligibility_and_weighting_hand_case():
+    # one sequence of T = 6 tokens with a 3-token prompt; N = 5 real rows; D = 2; anchors 0 and 2
+    vd, d, t = 3, 2, 6
+    teacher = torch.zeros(1, t, vd)
+    teacher[0, :, 0] = 5.0  # the teacher always prefers draft token 0
+    real = torch.zeros(1, t - 1, vd)  # uniform head at k = 0 -> KL = KL(teacher || uniform), wrong argmax? tie -> 0
+    blocks = torch.zeros(1, 2, d, vd)
+    blocks[..., 1] = 5.0  # the blocks prefer token 1: wrong
+    anchors, valid = torch.tensor([[0, 2]]), torch.tensor([[True, True]])
+    out = dart_loss(real, blocks, teacher, anchors, valid, torch.tensor([t]), torch.tensor([3]), gamma=0.5)
+    # k=0: real row p predicts x[p+2]; eligible when 3 <= p+2 < 6 -> p = 1, 2, 3
+    # k=1: anchor p predicts x[p+3]: anchor 0 -> 3 (ok), anchor 2 -> 5 (ok)
+    # k=2: x[p+4]: anchor 0 -> 4 (ok), anchor 2 -> 6 (past the end)
+    assert out.count.tolist() == [3, 2, 1]
+    p = torch.softmax(torch.tensor([5.0, 0.0, 0.0]), 0)
+    kl_uniform = float((p * (p.log() - math.log(1 / 3))).sum())
+    q = torch.log_softmax(torch.tensor([0.0, 5.0, 0.0]), 0)
+    kl_wrong = float((p * (p.log() - q)).sum())
+    assert out.kl == pytest.approx([kl_uniform, kl_wrong, kl_wrong], abs=1e-5)
+    assert out.accuracy == [1.0, 0.0, 0.0]  # argmax of an all-zero row is token 0, as the teacher's
+    assert out.loss.item() == pytest.approx(kl_uniform + 0.5 * kl_wrong + 0.25 * kl_wrong, abs=1e-5)
+    # a prompt covering everything leaves nothing eligible and a zero loss
+    none = dart_loss(real, blocks, teacher, anchors, valid, torch.tensor([t]), torch.tensor([t]), gamma=0.5)
+    assert none.count.tolist() == [0, 0, 0] and none.loss.item() == 0.0
+    # invalid anchors do not count
+    half = dart_loss(real, blocks, teacher, anchors, torch.tensor([[True, False]]), torch.tensor([t]),
+                     torch.tensor([3]), gamma=0.5)
+    assert half.count.tolist() == [3, 1, 1]
+
+
+def test_loss_uses_the_teacher_at_the_shifted_position():
+    # output k of anchor p is scored against the teacher's row p+1+k: put a distinct argmax in every teacher row
+    vd, t, d = 8, 8, 3
+    teacher = torch.full((1, t, vd), -10.0)
+    for pos in range(t):
+        teacher[0, pos, pos] = 10.0
+    real = torch.full((1, t - 1, vd), -10.0)
+    for p in range(t - 1):
+        real[0, p, p + 1] = 10.0
+    blocks = torch.full((1, 1, d, vd), -10.0)
+    anchor = 2
+    for j in range(1, d + 1):
+        blocks[0, 0, j - 1, anchor + 1 + j] = 10.0
+    out = dart_loss(real, blocks, teacher, torch.tensor([[anchor]]), torch.tensor([[True]]), torch.tensor([t]),
+                    torch.tensor([0]))
+    assert out.accuracy == [1.0] * (d + 1)
+    assert max(out.kl) < 1e-6
+
+
+def test_choose_anchors_keeps_only_useful_positions():
+    # T = 20, prompt 15, D = 2: an anchor p is useful when some k in 1..2 has 15 <= p+2+k < 20 -> p in 11..16
+    assert anchor_range(20, 15, 2) == (11, 17)
+    g = torch.Generator().manual_seed(0)
+    anchors, valid = choose_anchors(torch.tensor([20, 5, 2]), torch.tensor([15, 0, 0]), 4, 2, g)
+    assert valid[0].all() and set(anchors[0].tolist()) <= set(range(11, 17)) and len(set(anchors[0].tolist())) == 4
+    assert anchors[1].tolist() == [0, 1, 0, 0] and valid[1].tolist() == [True, True, False, False]
+    assert not valid[2].any()
+
+
+# ---- draft vocabulary ---------------------------------------------------------------------------------------------
+def test_draft_vocab_hand_case():
+    sequences = [(np.array([9, 9, 5, 3, 3, 7]), 2), (np.array([7, 3, 1]), 0)]
+    # response tokens: 5 3 3 7 | 7 3 1 -> counts 3:3, 7:2, 5:1, 1:1
+    counts = count_tokens(sequences, 10)
+    assert counts.tolist() == [0, 1, 0, 3, 0, 1, 0, 2, 0, 0]
+    assert select_draft_tokens(counts, 3).tolist() == [1, 3, 7]  # 3, 7, then the tie 1/5 -> smaller id 1
+    assert select_draft_tokens(counts, 6).tolist() == [0, 1, 2, 3, 5, 7]  # 4 seen + lowest unused 0, 2
+    target_ids, d2t, t2d = build_draft_vocab(sequences, 10, 3)
+    assert d2t.tolist() == [1, 2, 5] and (torch.arange(3) + d2t).tolist() == [1, 3, 7]
+    assert t2d.nonzero().flatten().tolist() == [1, 3, 7]
+    assert count_tokens(sequences, 10, responses_only=False)[9] == 2
+    with pytest.raises(ValueError, match="outside the target vocab"):
+        count_tokens([(np.array([12]), 0)], 10)
+    with pytest.raises(ValueError):
+        draft_vocab_buffers(np.array([3, 2]), 10)
+
+
+# ---- features, data split, schedule --------------------------------------------------------------------------------
+def test_target_features_restricted_logits_and_taps():
+    target = tiny_target()
+    batch = collate([(np.array([1, 2, 3, 4, 5]), 2), (np.array([7, 8, 9]), 0)])
+    assert batch.input_ids[1].tolist() == [7, 8, 9, 0, 0] and batch.attention_mask[1].tolist() == [1, 1, 1, 0, 0]
+    ids = torch.tensor([0, 5, 17, 95])
+    aux, logits = target_features(target, (2, 3, 3), batch.input_ids, batch.attention_mask, ids)
+    with torch.no_grad():
+        ref = target(input_ids=batch.input_ids, attention_mask=batch.attention_mask, output_hidden_states=True)
+    assert torch.allclose(logits, ref.logits[..., ids], atol=1e-5)
+    assert torch.equal(aux[..., :32], ref.hidden_states[2]) and torch.equal(aux[..., 64:], ref.hidden_states[3])
+
+
+def test_split_windows_and_heldout_split():
+    seq = np.arange(10)
+    # windows of 4: [0..3] prompt 3, [4..7] prompt 0, [8, 9] too short
+    windows = split_windows([(seq, 3)], 4)
+    assert [(w.tolist(), p) for w, p in windows] == [([0, 1, 2, 3], 3), ([4, 5, 6, 7], 0)]
+    assert split_windows([(seq, 9)], 4) == []  # nothing left to predict after the prompt in any window
+    mask = heldout_mask(1000, 0.02)
+    assert 5 <= mask.sum() <= 40 and np.array_equal(mask, heldout_mask(1000, 0.02))
+    assert heldout_mask(3, 0.02).sum() == 1 and heldout_mask(3, 0.0).sum() == 0
+    assert lr_factor(0, 4, 20) == 0.25 and lr_factor(3, 4, 20) == 1.0 and lr_factor(20, 4, 20) == pytest.approx(0)
+
+
+# ---- the trainer ----------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """A tiny target saved as a model directory and shards of its own greedy continuations of random prompts."""
+    root = tmp_path_factory.mktemp("train")
+    target = tiny_target(seed=3)
+    target.save_pretrained(root / "target")
+    _word_tokenizer().save_pretrained(root / "target")
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, 96, (48, 6), generator=g)
+    with torch.no_grad():
+        out = target.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=34, do_sample=False)
+    data = root / "data"
+    data.mkdir()
+    sequences = [row.tolist() for row in out]
+    write_shard(data / "shard-00000.npz", sequences[:24], [6] * 24)
+    write_shard(data / "shard-00001.npz", sequences[24:], [6] * 24)
+    return root, target
+
+
+def _word_tokenizer():
+    """A 96-word tokenizer (ids fit the tiny target) with a one-line chat template, for the distill/text commands."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "<pad>", "<eos>"] + [f"w{i}" for i in range(90)] + ["hello", "world", "user"]
+    model = Tokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    model.pre_tokenizer = Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=model, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>")
+    tok.chat_template = "{% for m in messages %}user {{ m['content'] }} {% endfor %}"
+    return tok
+
+
+def _config(root, out, **kw) -> TrainConfig:
+    base = dict(target=str(root / "target"), data=[str(root / "data")], out=str(out), draft_length=3,
+                draft_vocab_size=64, seq_len=32, batch_size=4, anchors_per_seq=8, lr=3e-3, warmup_steps=2, steps=6,
+                eval_every=1000, checkpoint_every=1000, tau_prompts=0, heldout_fraction=0.1, progress=False,
+                intermediate_size=64)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def test_training_loss_decreases(tiny_run, tmp_path):
+    root, target = tiny_run
+    cfg = _config(root, tmp_path / "out", steps=60, lr=1e-2, warmup_steps=4, eval_every=30, tau_prompts=2,
+                  tau_max_new_tokens=12)
+    summary = train(cfg, model=target)
+    losses = summary["losses"]
+    first, last = np.mean(losses[:3]), np.mean(losses[-5:])
+    print(f"loss {first:.3f} -> {last:.3f}")
+    assert last < 0.7 * first  # measured: 1.145 -> 0.583
+    evals = [json.loads(line) for line in (tmp_path / "out" / "eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [30, 60]
+    assert evals[-1]["loss"] < evals[0]["loss"] and len(evals[-1]["acc"]) == cfg.draft_length + 1
+    assert evals[-1]["tau"] >= 1.0 and evals[-1]["tau_prompts"] == 2
+    head = DartHead.from_pretrained(tmp_path / "out" / "head")
+    assert head.config.target_layer_ids == [2, 3, 3] and head.config.draft_vocab_size == 64
+    train_log = [json.loads(line) for line in (tmp_path / "out" / "train.jsonl").read_text().splitlines()]
+    assert train_log[-1]["step"] == 60 and train_log[-1]["tokens_per_s"] > 0
+
+
+def test_resume_reproduces_an_uninterrupted_run(tiny_run, tmp_path):
+    root, target = tiny_run
+    straight = Trainer(_config(root, tmp_path / "a"), model=target)
+    straight.run()
+    first = Trainer(_config(root, tmp_path / "b", stop_at=3), model=target)
+    assert first.run()["step"] == 3
+    assert not (tmp_path / "b" / "head").exists() and (tmp_path / "b" / "checkpoint-latest").is_dir()
+    resumed = Trainer(_config(root, tmp_path / "b", resume=True), model=target)
+    assert resumed.start_step == 3
+    resumed.run()
+    logged = [json.loads(line)["step"] for line in (tmp_path / "b" / "train.jsonl").read_text().splitlines()]
+    assert logged == [3, 6]
+    a, b = straight.head.state_dict(), resumed.head.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    sa, sb = straight.optimizer.state_dict()["state"], resumed.optimizer.state_dict()["state"]
+    assert all(torch.equal(sa[i]["exp_avg_sq"], sb[i]["exp_avg_sq"]) for i in sa)
+    with pytest.raises(ValueError, match="seq_len"):
+        Trainer(_config(root, tmp_path / "b", resume=True, seq_len=16), model=target)
+
+
+# ---- command line -------------------------------------------------------------------------------------------------
+def test_cli_train_writes_a_loadable_head_with_ngram(tiny_run, tmp_path, capsys):
+    root, _ = tiny_run
+    out = tmp_path / "cli"
+    rc = main(["train", "--target", str(root / "target"), "--data", str(root / "data"), "--out", str(out),
+               "--steps", "3", "--batch-size", "2", "--seq-len", "24", "--draft-length", "2",
+               "--draft-vocab-size", "500", "--anchors", "4", "--tau-prompts", "1", "--tau-max-new-tokens", "6",
+               "--save-dtype", "bfloat16", "--ngram", "--no-progress", "--threads", "1"])
+    assert rc == 0, capsys.readouterr().err
+    assert "wrote" in capsys.readouterr().out
+    head = DartHead.from_pretrained(out / "head")
+    assert load_file(str(out / "head" / "model.safetensors"))["fc.weight"].dtype == torch.bfloat16
+    assert head.config.draft_vocab_size == 96  # clamped to the target vocab
+    assert head.ngram is not None and head.ngram.order == 3
+    assert (out / "checkpoint-latest" / "trainer_state.pt").is_file()
+
+
+def test_cli_ngram_build(tiny_run, tmp_path, capsys):
+    root, _ = tiny_run
+    dest = tmp_path / "ng.safetensors"
+    assert main(["ngram", "build", "--data", str(root / "data"), "--out", str(dest), "--vocab-size", "96"]) == 0
+    ngram = NGramModel.load(dest)
+    sequences = [t for t, _ in read_shards(root / "data")]
+    expected = NGramModel.build(sequences, order=3, vocab_size=96)
+    assert torch.equal(ngram.keys, expected.keys) and torch.equal(ngram.counts, expected.counts)
+    capsys.readouterr()
+    assert main(["ngram", "build", "--data", str(root / "data"), "--out", str(dest)]) == 2  # exists, no --force
+    assert "exists" in capsys.readouterr().err
+
+
+def test_cli_distill_prompts_and_text(tiny_run, tmp_path, capsys):
+    root, _ = tiny_run
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"question": f"hello w{i} world"}) + "\n" for i in range(5)))
+    out = tmp_path / "distilled"
+    assert main(["distill", "--target", str(root / "target"), "--out", str(out), "--prompts", str(prompts),
+                 "--field", "question", "--limit", "3", "--batch-size", "2", "--max-new-tokens", "4"]) == 0
+    rows = list(read_shards(out))
+    assert len(rows) == 3 and sorted(p.name for p in out.iterdir()) == ["shard-00000.npz", "shard-00001.npz"]
+    assert rows[0][0][: rows[0][1]].tolist() == [95, 93, 3, 94] and len(rows[0][0]) == rows[0][1] + 4
+    text = tmp_path / "corpus.txt"
+    text.write_text("hello w1 w2 w3\nw4 world\n\n\nw7 w7 w7 w8\n")
+    assert main(["distill", "--target", str(root / "target"), "--out", str(tmp_path / "text"), "--text",
+                 str(text)]) == 0
+    assert [(t.tolist(), p) for t, p in read_shards(tmp_path / "text")] == [
+        ([93, 4, 5, 6, 7, 94], 0), ([10, 10, 10, 11], 0)]
+    dest = tmp_path / "text.safetensors"
+    assert main(["ngram", "build", "--text", str(text), "--target", str(root / "target"), "--out", str(dest)]) == 0
+    ngram = NGramModel.load(dest)
+    assert ngram.vocab_bound == 96 and ngram.probability([10, 10], [10, 11]) == pytest.approx([0.5, 0.5])
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["train", "--data", "{missing}", "--out", "{tmp}/o"], "data directory not found"),
+    (["train", "--data", "{data}", "--out", "{tmp}/o", "--target", "{tmp}"], "target not found"),
+    (["train", "--data", "{data}", "--out", "{tmp}/o", "--steps", "0"], "steps must be a positive integer"),
+    (["train", "--data", "{data}", "--out", "{tmp}/o", "--gamma", "1.5"], "gamma must be in"),
+    (["train", "--data", "{empty}", "--out", "{tmp}/o", "--target", "{target}"], "no data shards"),
+    (["ngram", "build", "--data", "{missing}", "--out", "{tmp}/n.safetensors"], "data directory not found"),
+    (["ngram", "build", "--data", "{data}", "--out", "{tmp}/n.safetensors", "--vocab-size", "10"], ">= vocab_size"),
+    (["ngram", "build", "--out", "{tmp}/n.safetensors"], "give --data"),
+    (["distill", "--out", "{tmp}/d", "--prompts", "{tmp}/none.jsonl"], "prompts file not found"),
+])
+def test_cli_bad_input_is_one_line_and_exit_2(tiny_run, tmp_path, capsys, argv, message):
+    root, _ = tiny_run
+    (tmp_path / "empty").mkdir()
+    subs = {"missing": str(tmp_path / "nope"), "tmp": str(tmp_path), "empty": str(tmp_path / "empty"),
+            "data": str(root / "data"), "target": str(root / "target")}
+    assert main([a.format(**subs) for a in argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
+def test_read_prompts(tmp_path):
+    from dart_cli.train import read_prompts
+
+    good = tmp_path / "p.jsonl"
+    good.write_text('{"question": "a?"}\n\n{"question": "b?", "x": 1}\n')
+    assert read_prompts(str(good), "question") == ["a?", "b?"]
+    with pytest.raises(ValueError, match=r"p.jsonl:1: no string field 'prompt'"):
+        read_prompts(str(good), "prompt")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\nnot json\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: not valid JSON"):
+        read_prompts(str(bad), "prompt")
