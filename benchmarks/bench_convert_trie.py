@@ -26,6 +26,7 @@ import tempfile
 import time
 
 import numpy as np
+from results_io import write_results
 
 
 def synthetic_corpus(tokens: int, vocab: int, seed: int) -> list[np.ndarray]:
@@ -186,9 +187,7 @@ def main(argv=None) -> int:
             print(f"plain Python struct.unpack_from loop (parse only): {r['python_struct_loop_nodes_per_s'] / 1e6:.2f} "
                   f"M nodes/s")
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as fh:
-            json.dump(results, fh, indent=2)
+        write_results(args.json, results)
         print(f"wrote {args.json}")
     return 0
 

@@ -11,8 +11,6 @@ same number of tokens on a cache of the same length (causal mask, no hidden stat
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import time
@@ -23,6 +21,7 @@ from transformers import DynamicCache
 import dart_hf
 from dart_core import DartConfig, DartHead, TreeConfig
 from dart_core.testing import ReplayHead
+from results_io import write_results
 
 PROMPT = "Explain in a few sentences how a hash table works and when it is a bad choice."
 
@@ -100,9 +99,7 @@ def main(argv=None) -> int:
               f"{row['tree_ms']:7.1f} {target_ms:13.1f} {plain_ms:12.1f} {row['overhead_vs_plain_forward']:8.1%} "
               f"{row['overhead_without_head']:8.1%}")
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as fh:
-            json.dump(results, fh, indent=2)
+        write_results(args.json, results)
     return 0
 
 

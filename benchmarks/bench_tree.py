@@ -9,7 +9,6 @@ median of repeated runs with one torch thread (the decoding loop runs the search
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -20,6 +19,7 @@ import torch
 
 from dart_core import NGramModel, TreeConfig, build_draft_trees, topk_draft_tokens
 from dart_core.reference import DictTrie, reference_tree
+from results_io import write_results
 
 
 def timed(fn, repeats: int) -> list[float]:
@@ -80,9 +80,7 @@ def main(argv=None) -> int:
           f"vectorised B=1 is {results['speedup_b1_vs_reference']:.0f}x faster")
     print(f"n-gram: {ngram.num_nodes} nodes, {results['ngram_bytes_per_node']:.1f} bytes per node")
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as fh:
-            json.dump(results, fh, indent=2)
+        write_results(args.json, results)
     return 0
 
 

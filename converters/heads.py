@@ -13,12 +13,11 @@ from typing import Any, Optional, Union
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file
 
 from dart_core import DartConfig, DartHead, NGramModel, TreeConfig
 from dart_core.config import CONFIG_NAME
 from dart_core.head import NGRAM_FILE_KEY, NGRAM_NAME, OPTIONAL_KEYS, TREE_CONFIG_KEY, WEIGHTS_NAME, check_draft_vocab
-from dart_core.io import atomic_write, load_safetensors_checked, save_safetensors_atomic
+from dart_core.io import atomic_write, load_safetensors_checked, read_json_object, save_safetensors_atomic
 
 from .staging import staged_directory
 from .trie import convert_trie
@@ -70,19 +69,6 @@ def _require_dir(path: PathLike, what: str) -> str:
     return path
 
 
-def _read_json(file: str) -> dict:
-    if not os.path.isfile(file):
-        raise FileNotFoundError(f"no {os.path.basename(file)} at {file}")
-    try:
-        with open(file, encoding="utf-8") as fh:
-            raw = json.load(fh)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{file} is not valid JSON: {err}") from err
-    if not isinstance(raw, dict):
-        raise ValueError(f"{file} does not hold a JSON object")
-    return raw
-
-
 def _write_json(obj: dict, file: str) -> None:
     with atomic_write(file, "w") as fh:
         json.dump(obj, fh, indent=2, sort_keys=True)
@@ -115,7 +101,7 @@ def read_target_config(target: PathLike) -> dict[str, Any]:
     """
     target = _require_dir(target, "target model")
     file = os.path.join(target, "config.json")
-    raw = _read_json(file)
+    raw = read_json_object(file)
     text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
     out: dict[str, Any] = {"path": target, "config_file": file}
     for field in ("hidden_size", "vocab_size", "num_hidden_layers"):
@@ -126,7 +112,7 @@ def read_target_config(target: PathLike) -> dict[str, Any]:
     eos = None
     gen_file = os.path.join(target, "generation_config.json")
     if os.path.isfile(gen_file):
-        eos = _read_json(gen_file).get("eos_token_id")
+        eos = read_json_object(gen_file).get("eos_token_id")
     if eos is None:
         eos = raw.get("eos_token_id", text.get("eos_token_id"))
     out["eos_token_ids"] = [eos] if isinstance(eos, int) else [int(e) for e in eos or [] if isinstance(e, int)]
@@ -227,7 +213,7 @@ def convert_official(src: PathLike, dst: PathLike, ngram: Optional[PathLike] = N
             summary["ngram"] = convert_trie(ngram, os.path.join(tmp, NGRAM_NAME), vocab_size=head.config.vocab_size,
                                             force=True, progress=progress)
             config_file = os.path.join(tmp, CONFIG_NAME)
-            config = _read_json(config_file)
+            config = read_json_object(config_file)
             config[NGRAM_FILE_KEY] = NGRAM_NAME
             _write_json(config, config_file)
     summary.update(dst=os.path.abspath(os.fspath(dst)), target_layer_ids=head.config.target_layer_ids,
@@ -369,7 +355,7 @@ def convert_eagle3(src: PathLike, dst: PathLike, draft_length: int, seed: int = 
         raise ValueError(f"draft_length must be a positive integer, got {draft_length!r}")
     dtype = resolve_dtype(dtype)
     config_file = os.path.join(src, CONFIG_NAME)
-    raw = _read_json(config_file)
+    raw = read_json_object(config_file)
     arch = raw.get("architectures") or []
     if not any("eagle3" in str(a).lower() for a in arch):
         raise ValueError(f"{config_file}: architectures {arch} name no EAGLE3 model (expected e.g. "

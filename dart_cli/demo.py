@@ -5,7 +5,6 @@ weights, no model (`core_demo`)."""
 from __future__ import annotations
 
 import statistics
-import sys
 import time
 from typing import Optional
 

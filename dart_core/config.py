@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from typing import Any, Optional
@@ -141,15 +140,10 @@ class DartConfig:
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> "DartConfig":
+        from dart_core.io import read_json_object
+
         file = os.path.join(path, CONFIG_NAME) if os.path.isdir(path) else str(path)
-        if not os.path.isfile(file):
-            raise FileNotFoundError(f"no DART config at {file}")
-        try:
-            with open(file, encoding="utf-8") as fh:
-                raw = json.load(fh)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{file} is not valid JSON: {err}") from err
-        return cls.from_dict(raw)
+        return cls.from_dict(read_json_object(file))
 
 
 @dataclasses.dataclass(frozen=True)

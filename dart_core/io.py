@@ -3,13 +3,29 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import tempfile
 from typing import Iterator, Mapping, Optional
 
+import numpy as np
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+
+
+def read_json_object(file: str) -> dict:
+    """A JSON object from `file`; FileNotFoundError / ValueError name the file and the problem."""
+    if not os.path.isfile(file):
+        raise FileNotFoundError(f"no {os.path.basename(file)} at {file}")
+    try:
+        with open(file, encoding="utf-8") as fh:
+            raw = json.load(fh)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{file} is not valid JSON: {err}") from err
+    if not isinstance(raw, dict):
+        raise ValueError(f"{file} does not hold a JSON object")
+    return raw
 
 
 @contextlib.contextmanager
@@ -48,17 +64,13 @@ _SAFETENSORS_DTYPE_NAMES = {"int64": "I64", "int32": "I32", "int16": "I16", "int
                             "float64": "F64", "float32": "F32", "float16": "F16", "bool": "BOOL"}
 
 
-def write_safetensors_arrays(arrays: Mapping[str, "np.ndarray"], path: str,
+def write_safetensors_arrays(arrays: Mapping[str, np.ndarray], path: str,
                              metadata: Optional[dict[str, str]] = None) -> None:
     """Write numpy arrays as a safetensors file without an in-memory copy of the data, atomically.
 
     (safetensors' own writer builds the whole file in memory first; for multi-GB n-gram tables that doubles the
     peak memory.)
     """
-    import json as _json
-
-    import numpy as np
-
     header: dict = {}
     offset = 0
     ordered = [(name, np.ascontiguousarray(a)) for name, a in arrays.items()]
@@ -70,7 +82,7 @@ def write_safetensors_arrays(arrays: Mapping[str, "np.ndarray"], path: str,
         offset += a.nbytes
     if metadata:
         header["__metadata__"] = dict(metadata)
-    raw = _json.dumps(header, separators=(",", ":")).encode("utf-8")
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
     raw += b" " * (-(len(raw) + 8) % 8)  # data starts 8-byte aligned
     with atomic_write(path, "wb") as fh:
         fh.write(len(raw).to_bytes(8, "little"))

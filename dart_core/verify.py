@@ -17,7 +17,7 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
-from dart_core.tree import DraftTree, DraftTreeBatch, ancestor_mask  # noqa: F401  (re-exported for callers)
+from dart_core.tree import DraftTreeBatch
 
 # `proc(input_ids [1, T] int64, scores [1, V] float) -> scores [1, V]`, e.g. transformers' LogitsProcessorList.
 LogitsProcessor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

@@ -405,7 +405,7 @@ class Trainer:
             saved = resume_state.get("config", {})
             diff = [k for k in RESUME_FIXED if k in saved and saved[k] != getattr(cfg, k)]
             if diff:
-                raise ValueError(f"--resume: settings differ from the checkpoint's: "
+                raise ValueError("--resume: settings differ from the checkpoint's: "
                                  + ", ".join(f"{k} {saved[k]!r} -> {getattr(cfg, k)!r}" for k in diff))
             head = DartHead.from_pretrained(ckpt, load_ngram=False)
             self.start_step = int(resume_state["step"])

@@ -19,14 +19,6 @@ calibrate_module = sys.modules["dart_hf.calibrate"]  # `dart_hf.calibrate` is th
 PROMPT = torch.tensor([[5, 17, 33, 2, 9, 41, 12]])
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture
 def cache_root(tmp_path, monkeypatch):
     monkeypatch.setenv("DART_SPEC_CACHE", str(tmp_path / "cache"))

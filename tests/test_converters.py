@@ -180,7 +180,7 @@ def test_writer_layouts_are_nontrivial(tmp_path):
         path = tmp_path / f"{layout}.trie"
         write_official_trie(path, seqs, order=3, node_order=layout, seed=1)
         raw = path.read_bytes()
-        off, parents, child_before_parent, unsorted_lists = 16, [], 0, 0
+        off, child_before_parent, unsorted_lists = 16, 0, 0
         for i in range(struct.unpack_from("<QQ", raw)[1]):
             tok, parent, freq, nch = struct.unpack_from("<iQiQ", raw, off)
             off += 24

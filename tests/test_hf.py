@@ -14,14 +14,6 @@ from hf_models import oracle_head, random_head, tiny_target
 PROMPTS = [torch.tensor([[5, 17, 33, 2, 9, 41, 12]]), torch.tensor([[60, 61, 62]])]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_greedy_identical_to_plain_generate(arch, attn):
