@@ -1,0 +1,89 @@
+"""The shipped SmolLM2 head on the benchmark prompts: identity, tau, per-position acceptance and speedup vs plain.
+
+    python benchmarks/bench_default_head.py --json benchmarks/results/default_head.json            # 80 + 40 prompts
+    python benchmarks/bench_default_head.py --mt-bench 10 --humaneval 5 --json ...                 # a quick subset
+
+Greedy, batch 1, `--max-new-tokens` (128) per prompt, MT-Bench first turns and the first HumanEval prompts (chat
+template) from ../shared/data. For each prompt plain `generate()` and DART run back to back on the same machine;
+tokens/s are summed per set and the speedup is the ratio of the two within this run. The tree size is the cached
+calibration for this machine if there is one (`dart-spec demo --calibrate`), else the head's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import dart_hf
+from results_io import write_results
+
+DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+def prompt_sets(mt_bench: int, humaneval: int) -> dict[str, list[str]]:
+    with open(DATA / "mt_bench_questions.jsonl", encoding="utf-8") as fh:
+        mt = [json.loads(line)["turns"][0] for line in fh if line.strip()][:mt_bench]
+    with open(DATA / "humaneval.jsonl", encoding="utf-8") as fh:
+        he = [json.loads(line)["prompt"] for line in fh if line.strip()][:humaneval]
+    return {"mt_bench": mt, "humaneval": he}
+
+
+def timed_generate(model, ids, max_new_tokens, **kwargs):
+    t0 = time.perf_counter()
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                         **kwargs)
+    return out, time.perf_counter() - t0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", help="write results here")
+    parser.add_argument("--mt-bench", type=int, default=80, help="MT-Bench questions (first turn), default 80")
+    parser.add_argument("--humaneval", type=int, default=40, help="first HumanEval prompts, default 40")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    model, tokenizer, head = dart_hf.load_default()
+    dart_hf.enable(model)
+    results = {"max_new_tokens": args.max_new_tokens, "threads": args.threads,
+               "tree_nodes": head.tree_config.remain_total if head.tree_config else None, "sets": {}}
+    for name, prompts in prompt_sets(args.mt_bench, args.humaneval).items():
+        plain_tokens = dart_tokens = 0
+        plain_time = dart_time = 0.0
+        accepted, identical = [], 0
+        for text in prompts:
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                return_tensors="pt", return_dict=True)["input_ids"]
+            plain, t_plain = timed_generate(model, ids, args.max_new_tokens)
+            dart, t_dart = timed_generate(model, ids, args.max_new_tokens, dart_head=head)
+            identical += int(torch.equal(plain, dart))
+            plain_tokens += plain.shape[1] - ids.shape[1]
+            dart_tokens += dart.shape[1] - ids.shape[1]
+            plain_time, dart_time = plain_time + t_plain, dart_time + t_dart
+            accepted += model.dart_stats.accepted_lengths
+        steps = len(accepted)
+        deepest = max(accepted) if accepted else 0
+        row = {"prompts": len(prompts), "identical": identical,
+               "plain_tokens_per_s": plain_tokens / plain_time, "dart_tokens_per_s": dart_tokens / dart_time,
+               "tau": (sum(accepted) + steps) / steps if steps else 0.0,
+               "acceptance_by_position": [sum(a > k for a in accepted) / steps for k in range(deepest)],
+               "median_accepted": statistics.median(accepted) if accepted else 0}
+        row["speedup"] = row["dart_tokens_per_s"] / row["plain_tokens_per_s"]
+        results["sets"][name] = row
+        print(f"{name}: {identical}/{len(prompts)} identical, plain {row['plain_tokens_per_s']:.1f} tok/s, "
+              f"DART {row['dart_tokens_per_s']:.1f} tok/s, speedup {row['speedup']:.2f}x, tau {row['tau']:.2f}, "
+              f"acceptance by position {[round(a, 2) for a in row['acceptance_by_position']]}")
+    if args.json:
+        write_results(args.json, results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
