@@ -36,8 +36,9 @@ from typing import Optional
 import numpy as np
 import torch
 
-from dart_core import DartConfig, DartHead, NGramModel
+from dart_core import DartConfig, DartHead, NGramModel, TreeConfig
 from dart_core.io import atomic_write
+from dart_hf.target import first_eos
 from dart_train.data import read_shards
 from dart_train.features import Batch, collate, target_features
 from dart_train.loss import LossOutput, TrainingForward, choose_anchors, dart_loss
@@ -625,6 +626,8 @@ class Trainer:
         bar.close()
         summary = {"step": step, "losses": losses, "out": str(self.out)}
         if step == cfg.steps:
+            if self.head.tree_config is None:  # the search settings travel with the head; EOS is the target's
+                self.head.tree_config = TreeConfig(eos_token_id=first_eos(self.model.generation_config))
             if cfg.ngram:
                 self.head.ngram = NGramModel.build([t for t, _ in self.train_sequences], order=cfg.ngram_order,
                                                    vocab_size=self.head.config.vocab_size)

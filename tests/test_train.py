@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 import dart_train.loss as loss_mod
 from dart_cli.main import main
-from dart_core import DartHead, NGramModel
+from dart_core import DartHead, NGramModel, TreeConfig
 from dart_train.data import read_shards, write_shard
 from dart_train.features import collate, target_features
 from dart_train.loss import (anchor_range, choose_anchors, dart_loss, kl_and_agreement, training_forward,
@@ -258,7 +258,12 @@ def test_training_loss_decreases(tiny_run, tmp_path):
     root, target = tiny_run
     cfg = _config(root, tmp_path / "out", steps=60, lr=1e-2, warmup_steps=4, eval_every=30, tau_prompts=2,
                   tau_max_new_tokens=12)
-    summary = train(cfg, model=target)
+    eos = target.generation_config.eos_token_id
+    target.generation_config.eos_token_id = 2
+    try:
+        summary = train(cfg, model=target)
+    finally:
+        target.generation_config.eos_token_id = eos
     losses = summary["losses"]
     first, last = np.mean(losses[:3]), np.mean(losses[-5:])
     print(f"loss {first:.3f} -> {last:.3f}")
@@ -269,6 +274,7 @@ def test_training_loss_decreases(tiny_run, tmp_path):
     assert evals[-1]["tau"] >= 1.0 and evals[-1]["tau_prompts"] == 2
     head = DartHead.from_pretrained(tmp_path / "out" / "head")
     assert head.config.target_layer_ids == [2, 3, 3] and head.config.draft_vocab_size == 64
+    assert head.tree_config == TreeConfig(eos_token_id=2)  # the target's EOS travels with the head
     train_log = [json.loads(line) for line in (tmp_path / "out" / "train.jsonl").read_text().splitlines()]
     assert train_log[-1]["step"] == 60 and train_log[-1]["tokens_per_s"] > 0
 
