@@ -68,12 +68,10 @@ def main(argv=None) -> int:
             dart_tokens += dart.shape[1] - ids.shape[1]
             plain_time, dart_time = plain_time + t_plain, dart_time + t_dart
             accepted += model.dart_stats.accepted_lengths
-        steps = len(accepted)
-        deepest = max(accepted) if accepted else 0
+        pooled = dart_hf.DartStats(accepted_lengths=accepted)  # every verify step of the set
         row = {"prompts": len(prompts), "identical": identical,
                "plain_tokens_per_s": plain_tokens / plain_time, "dart_tokens_per_s": dart_tokens / dart_time,
-               "tau": (sum(accepted) + steps) / steps if steps else 0.0,
-               "acceptance_by_position": [sum(a > k for a in accepted) / steps for k in range(deepest)],
+               "tau": pooled.tau, "acceptance_by_position": pooled.acceptance_by_position(),
                "median_accepted": statistics.median(accepted) if accepted else 0}
         row["speedup"] = row["dart_tokens_per_s"] / row["plain_tokens_per_s"]
         results["sets"][name] = row

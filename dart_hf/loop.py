@@ -106,17 +106,21 @@ def dart_decoding(model, input_ids: torch.LongTensor, logits_processor, stopping
     if streamer is not None:
         streamer.put(input_ids.cpu())
 
+    device = input_ids.device
+    dtype = next(model.parameters()).dtype
+    taps = list(plan.layer_ids)
+
     # prefill: the target over the prompt; its last position picks the first token (a one-node "tree")
     t0 = time.perf_counter()
     n = input_ids.shape[1]
-    positions = torch.arange(n, device=input_ids.device)[None]
+    positions = torch.arange(n, device=device)[None]
     out = model(input_ids=input_ids, position_ids=positions, past_key_values=cache, use_cache=True,
-                output_hidden_states=list(plan.layer_ids))
+                output_hidden_states=taps)
     root_only = DraftTree(input_ids[0, -1:], torch.tensor([-1]), torch.tensor([0]), torch.zeros(1))
     node_logits = out.logits[:, -1:].float()  # [1, 1, V]
     result = verify_tree(DraftTreeBatch.stack([root_only]), node_logits, context_ids=input_ids,
                          logits_processor=processors, do_sample=do_sample)
-    new_tokens = result.bonus_token.to(input_ids.device)  # [1]
+    new_tokens = result.bonus_token.to(device)  # [1]
     path_logits = node_logits[0]
     aux_rows = tapped_hidden_states(out, plan.layer_ids)  # [1, n, 3H]
     head_cache = head.new_cache(1)
@@ -148,24 +152,22 @@ def dart_decoding(model, input_ids: torch.LongTensor, logits_processor, stopping
 
         # verify: one target forward over the tree, acceptance, cache compaction
         past = cache.get_seq_length()
-        device = input_ids.device
-        dtype = next(model.parameters()).dtype
         node_ids = tree.tokens[None].to(device)
         node_positions = (past + tree.depths)[None].to(device)
         mask = tree_attention_mask(tree.ancestor_mask(), past, dtype).to(device)
         t3 = time.perf_counter()
         out = model(input_ids=node_ids, position_ids=node_positions, attention_mask=mask, past_key_values=cache,
-                    use_cache=True, output_hidden_states=list(plan.layer_ids))
+                    use_cache=True, output_hidden_states=taps)
         stats.target_time += time.perf_counter() - t3
         logits = out.logits.float()  # [1, N, V]
         result = verify_tree(DraftTreeBatch.stack([tree]), logits, context_ids=sequence,
                              logits_processor=processors, do_sample=do_sample)
         accepted = int(result.accept_length[0])
-        path = result.accepted_nodes[0, : accepted + 1].to(input_ids.device)  # root first
+        path = result.accepted_nodes[0, : accepted + 1].to(device)  # root first
         keep_accepted_path(cache, past, path)
         stats.accepted_lengths.append(accepted)
         stats.accepted_ranks.append(score_ranks(tree.scores, path[1:]).tolist() if accepted else [])
-        new_tokens = torch.cat((tree.tokens[path[1:]].to(input_ids.device), result.bonus_token.to(input_ids.device)))
+        new_tokens = torch.cat((tree.tokens[path[1:]].to(device), result.bonus_token.to(device)))
         path_logits = logits[0, path]
         aux_rows = tapped_hidden_states(out, plan.layer_ids)[:, path]  # [1, a+1, 3H]
         head_input_ids = new_tokens[None]
