@@ -119,6 +119,8 @@ def add_train(sub) -> None:
                     "computed on the fly, the head learns all D+1 positions of many anchors per sequence in one "
                     "pass (gamma-weighted forward KL). Writes OUT/head, OUT/checkpoint-latest, OUT/eval.jsonl. "
                     "Multi-GPU: torchrun --nproc_per_node N -m dart_cli.main train ...")
+    p.add_argument("--mode", choices=("dart", "eagle3"), default=d.mode,
+                   help="dart (default): a DART head; eagle3: the EAGLE3-style baseline drafter (benchmarks)")
     p.add_argument("--target", default=d.target, help="'smollm2' (default) or a local transformers model directory")
     p.add_argument("--data", nargs="+", required=True, metavar="DIR", help="data directories with shard-*.npz")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory")
@@ -153,7 +155,7 @@ def add_train(sub) -> None:
     p.add_argument("--seed", type=int, default=d.seed, help=f"default {d.seed}")
     p.add_argument("--heldout-fraction", type=float, default=d.heldout_fraction,
                    help=f"sequences held out for evaluation, by index hash (default {d.heldout_fraction})")
-    p.add_argument("--init-from", metavar="HEAD_DIR", help="warm start from a head directory (e.g. converted EAGLE3)")
+    p.add_argument("--init-from", metavar="HEAD_DIR", help="warm start from a head directory (e.g. converted EAGLE3; with --mode eagle3 also a DART head)")
     p.add_argument("--lm-head-from-target", action="store_true", dest="init_lm_head_from_target",
                    help="start lm_head from the target's output rows of the draft vocabulary (default: random)")
     p.add_argument("--save-dtype", choices=tuple(SAVE_DTYPES), default=d.save_dtype,

@@ -4,6 +4,7 @@ Pure torch/numpy; no transformers or sglang imports.
 """
 
 from dart_core.config import DartConfig, TreeConfig, default_target_layer_ids
+from dart_core.eagle3 import Eagle3Head
 from dart_core.head import DartHead, DartHeadCache
 from dart_core.ngram import NGramModel
 from dart_core.tree import DraftTree, DraftTreeBatch, build_draft_tree, build_draft_trees, topk_draft_tokens
@@ -15,6 +16,7 @@ __all__ = [
     "DartHeadCache",
     "DraftTree",
     "DraftTreeBatch",
+    "Eagle3Head",
     "NGramModel",
     "TreeConfig",
     "VerifyResult",

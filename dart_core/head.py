@@ -181,6 +181,9 @@ class DartHead(nn.Module):
     `set_input_embeddings`. Optional `ngram` and `tree_config` travel with a head directory.
     """
 
+    # `architectures` entry of a saved directory; a subclass with other weights (Eagle3Head) writes its own
+    ARCHITECTURE = "DartHead"
+
     def __init__(self, config: DartConfig) -> None:
         super().__init__()
         self.config = config
@@ -221,6 +224,10 @@ class DartHead(nn.Module):
 
     def get_input_embeddings(self) -> Optional[nn.Module]:
         return self._embed
+
+    def default_tree_config(self, eos_token_id: Optional[int]) -> TreeConfig:
+        """The tree settings used when neither the caller nor the head's directory gives any: the reference's."""
+        return TreeConfig(eos_token_id=eos_token_id)
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Map draft-vocab ids (any shape) to target ids: `draft + d2t[draft]`."""
@@ -308,6 +315,7 @@ class DartHead(nn.Module):
         if not os.path.isdir(path):
             raise FileNotFoundError(f"DART head directory not found: {path}")
         config = DartConfig.from_pretrained(path)
+        _check_architecture(cls, config, path)
         head = cls(config)
         weights_file = os.path.join(path, WEIGHTS_NAME)
         expected = {k: tuple(v.shape) for k, v in head.state_dict().items()}
@@ -339,7 +347,10 @@ class DartHead(nn.Module):
             state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in state.items()}
         save_safetensors_atomic(state, os.path.join(path, WEIGHTS_NAME), metadata={"format": "pt"})
         config = self.config.to_dict()
-        config.setdefault("architectures", ["DartHead"])
+        if self.ARCHITECTURE == DartHead.ARCHITECTURE:
+            config.setdefault("architectures", [self.ARCHITECTURE])
+        else:
+            config["architectures"] = [self.ARCHITECTURE]
         if self.tree_config is not None:
             config[TREE_CONFIG_KEY] = self.tree_config.to_dict()
         if self.ngram is not None:
@@ -349,6 +360,18 @@ class DartHead(nn.Module):
             config.pop(NGRAM_FILE_KEY, None)
         with atomic_write(os.path.join(path, CONFIG_NAME), "w") as fh:
             json.dump(config, fh, indent=2, sort_keys=True)
+
+
+def _check_architecture(cls: type, config: DartConfig, path: str) -> None:
+    """Refuse to load a directory written by a head class with other weights (DART head vs EAGLE3-style drafter)."""
+    saved = config.extra.get("architectures") or []
+    eagle3 = "Eagle3Head"
+    if cls.ARCHITECTURE == eagle3 and eagle3 not in saved:
+        raise ValueError(f"{path} is not an EAGLE3-style drafter (architectures {saved}); load a DART head with "
+                         f"dart_core.DartHead.from_pretrained")
+    if cls.ARCHITECTURE != eagle3 and eagle3 in saved:
+        raise ValueError(f"{path} holds an EAGLE3-style drafter, not a DART head: load it with "
+                         f"dart_core.eagle3.Eagle3Head.from_pretrained")
 
 
 def _tree_settings(extra: dict) -> tuple[Optional[dict], Optional[str]]:

@@ -328,7 +328,7 @@ def encode_prompts(tokenizer, prompts: Iterable) -> list[torch.Tensor]:
 
 def base_tree_config(model, head: DartHead) -> TreeConfig:
     """The search settings decoding would use without calibration: the head's, else the reference's with the EOS."""
-    return head.tree_config or TreeConfig(eos_token_id=first_eos(model.generation_config))
+    return head.tree_config or head.default_tree_config(first_eos(model.generation_config))
 
 
 def run_calibration(model, tokenizer, head: DartHead, prompts: Optional[Iterable] = None, *, max_nodes: int = 60,

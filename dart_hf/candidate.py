@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 import torch
 from transformers.generation.candidate_generator import CandidateGenerator
 
-from dart_core import DartHead, TreeConfig, build_draft_tree, topk_draft_tokens
+from dart_core import DartHead, Eagle3Head, TreeConfig, build_draft_tree, topk_draft_tokens
 from dart_hf.loop import DartStats
 from dart_hf.target import first_eos, plan_for, tapped_hidden_states
 
@@ -25,10 +26,13 @@ class DartCandidateGenerator(CandidateGenerator):
 
     def __init__(self, model, head: DartHead, generation_config, ngram=None,
                  tree_config: Optional[TreeConfig] = None) -> None:
+        if isinstance(head, Eagle3Head):
+            raise ValueError("assistant_model= takes a DART head; the EAGLE3-style drafter builds trees: pass it "
+                             "as generate(dart_head=...)")
         self.plan = plan_for(model, head)
         self.head = head
         self.ngram = ngram if ngram is not None else head.ngram
-        self.tree_config = tree_config or head.tree_config or TreeConfig(eos_token_id=first_eos(generation_config))
+        self.tree_config = tree_config or head.tree_config or head.default_tree_config(first_eos(generation_config))
         self.max_length = generation_config.max_length
         # keep every hidden state when the user asked for them (a layer list would leave None holes in the output)
         wanted = True if generation_config.output_hidden_states else list(self.plan.layer_ids)
@@ -49,11 +53,15 @@ class DartCandidateGenerator(CandidateGenerator):
         # the last target forward started at position `rows`; its first cur-1-rows positions are now final
         new_rows = cur - 1 - self.rows
         aux = tapped_hidden_states(model_outputs, self.plan.layer_ids)[:, :new_rows]
+        t0 = time.perf_counter()
         head_logits = self.head(aux, input_ids[:, self.rows + 1 : cur], cache=self.head_cache)[0]  # [D+1, Vd]
+        t1 = time.perf_counter()
         self.rows = cur - 1
         tokens, probs = topk_draft_tokens(head_logits, self.tree_config.topk, self.head.d2t)
         tree = build_draft_tree(tokens, probs, input_ids[0, -self.context_len:], self.ngram, self.tree_config)
         chain = best_full_depth_path(tree.tokens, tree.parents, tree.depths, tree.scores)
+        self.stats.head_time += t1 - t0
+        self.stats.tree_time += time.perf_counter() - t1
         budget = self.max_length - cur - 1
         if budget <= 0:
             return input_ids, None

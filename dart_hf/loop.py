@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 
 from dart_core import DartHead, DraftTreeBatch, TreeConfig, build_draft_tree, topk_draft_tokens, verify_tree
+from dart_core.eagle3 import Eagle3Head, select_draft_tree
 from dart_core.tree import DraftTree, score_ranks
 from dart_hf.target import (TargetPlan, check_attention, check_cache, first_eos, keep_accepted_path, plan_for,
                             tapped_hidden_states, tree_attention_mask)
@@ -24,8 +25,10 @@ class DartStats:
         holds exactly the nodes of rank < R, so under greedy decoding it would have accepted the leading ranks < R
         (`accepted_within`, `tau_at`; see `dart_hf.calibrate`). Filled by the tree loop only.
     tau: mean tokens produced per verify step, bonus included (before stopping criteria cut the last block).
-    Times are wall-clock seconds: prefill (target + head on the prompt), head forwards, tree searches, verify
-    steps (target forward + acceptance + cache compaction) and, within those, the target forwards alone.
+    Times are wall-clock seconds: prefill (target + head on the prompt), head forwards (an `Eagle3Head`: all its
+    draft levels with their top-k expansions), tree searches (an `Eagle3Head`: the final node selection), verify
+    steps (target forward + acceptance + cache compaction) and, within those, the target forwards alone. The
+    `assistant_model=` route fills prompt tokens, accepted lengths and head / tree times only.
     """
 
     prompt_tokens: int = 0
@@ -84,6 +87,8 @@ def dart_decoding(model, input_ids: torch.LongTensor, logits_processor, stopping
     """Tree decoding loop for `model.generate(..., custom_generate=dart_decoding, dart_head=head)`.
 
     Output is exactly what `generate()` returns without DART (greedy: token for token; sampling: same distribution).
+    An `Eagle3Head` (the EAGLE3-style baseline) drafts its tree autoregressively instead (`dart_core.eagle3`), with
+    `topk` as its branching and `remain_total` as its node count; `dart_ngram` does not apply to it.
     `dart_ngram` overrides `dart_head.ngram`; `dart_tree_config` overrides `dart_head.tree_config` (default: the
     reference settings with the target's EOS). Statistics of the call land in `model.dart_stats` (`DartStats`).
     """
@@ -94,7 +99,7 @@ def dart_decoding(model, input_ids: torch.LongTensor, logits_processor, stopping
     plan = _prepare(model, head, input_ids, generation_config, model_kwargs, dart_tokenizer)
     cache = model_kwargs["past_key_values"]
     ngram = dart_ngram if dart_ngram is not None else head.ngram
-    tree_config = dart_tree_config or head.tree_config or TreeConfig(eos_token_id=first_eos(generation_config))
+    tree_config = dart_tree_config or head.tree_config or head.default_tree_config(first_eos(generation_config))
     context_len = max(ngram.order - 1, 1) if ngram is not None else 1
     processors = logits_processor if logits_processor is not None and len(logits_processor) else None
     do_sample = bool(generation_config.do_sample)
@@ -141,10 +146,15 @@ def dart_decoding(model, input_ids: torch.LongTensor, logits_processor, stopping
             break
         # draft: one head forward over the new real rows (+ mask rows), then the tree search
         t0 = time.perf_counter()
-        head_logits = head(aux_rows, head_input_ids, cache=head_cache)[0]  # [D+1, Vd]
-        t1 = time.perf_counter()
-        cand_tokens, cand_probs = topk_draft_tokens(head_logits, tree_config.topk, head.d2t)
-        tree = build_draft_tree(cand_tokens, cand_probs, sequence[0, -context_len:], ngram, tree_config)
+        if isinstance(head, Eagle3Head):  # the baseline: D+1 autoregressive levels, then the top nodes
+            candidates = head.draft_candidates(aux_rows, head_input_ids, head_cache, tree_config.topk)
+            t1 = time.perf_counter()
+            tree = select_draft_tree(candidates, sequence[0, -1], tree_config.remain_total)
+        else:
+            head_logits = head(aux_rows, head_input_ids, cache=head_cache)[0]  # [D+1, Vd]
+            t1 = time.perf_counter()
+            cand_tokens, cand_probs = topk_draft_tokens(head_logits, tree_config.topk, head.d2t)
+            tree = build_draft_tree(cand_tokens, cand_probs, sequence[0, -context_len:], ngram, tree_config)
         t2 = time.perf_counter()
         stats.head_time += t1 - t0
         stats.tree_time += t2 - t1

@@ -37,7 +37,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from dart_core import DartHead
+from dart_core import DartHead, Eagle3Head
 
 
 # ---- the training mask and positions --------------------------------------------------------------------------------
@@ -109,14 +109,47 @@ def training_forward(head: DartHead, aux: torch.Tensor, shifted_ids: torch.Tenso
     return logits[:, :n], logits[:, n:].reshape(b, a, d, -1)
 
 
+def eagle3_training_forward(head: Eagle3Head, aux: torch.Tensor, shifted_ids: torch.Tensor,
+                            anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The EAGLE3-style drafter unrolled over its D+1 steps with the teacher's tokens ("training-time test").
+
+    Same inputs and outputs as `training_forward`: real_logits [B, N, Vd] (step 0 at every real row) and
+    block_logits [B, A, D, Vd], where entry [b, a, j-1] is step j for anchor p = anchors[b, a]: the chain row of
+    token x[p+1+j] (= shifted_ids[p+j]) fed the step j-1 output of the same anchor, at RoPE position p+j, seeing real
+    rows <= p and the anchor's chain rows 1..j. It predicts x[p+2+j], like mask row j of a DART head, so
+    `dart_loss` applies unchanged. Equal to `Eagle3Head` inference on each prefix (tests/test_eagle3.py).
+    """
+    if head.get_input_embeddings() is None:
+        raise RuntimeError("the head has no input embeddings: call head.set_input_embeddings(...) first")
+    b, n = shifted_ids.shape
+    a = anchors.shape[1]
+    h_real, k_real, v_real = head.real_rows(aux, shifted_ids)  # [B, N, H], [B, kv, N, hd]
+    rows = torch.arange(b, device=anchors.device)[:, None]
+    see_real = torch.arange(n, device=anchors.device)[None, None, :] <= anchors[:, :, None]  # [B, A, N]
+    same_anchor = torch.eye(a, dtype=torch.bool, device=anchors.device).expand(b, a, a)
+    keys, values, visible = k_real, v_real, see_real
+    hidden = h_real[rows, anchors]  # [B, A, H] step 0 output at each anchor
+    steps = []
+    for j in range(1, head.config.draft_length + 1):
+        tokens = shifted_ids[rows, (anchors + j).clamp(max=n - 1)]  # beyond the sequence: never eligible
+        hidden, k, v = head.chain_rows(tokens, hidden, anchors + j, keys, values, visible)
+        steps.append(hidden)
+        keys, values = torch.cat((keys, k), dim=2), torch.cat((values, v), dim=2)
+        visible = torch.cat((visible, same_anchor), dim=-1)
+    return head.logits(h_real), head.logits(torch.stack(steps, dim=2))
+
+
 class TrainingForward(nn.Module):
-    """`training_forward` as a module (what DistributedDataParallel wraps: gradients sync through its forward)."""
+    """The training forward of `head` as a module (what DistributedDataParallel wraps: gradients sync through its
+    forward): `eagle3_training_forward` for an `Eagle3Head`, `training_forward` for a DART head."""
 
     def __init__(self, head: DartHead) -> None:
         super().__init__()
         self.head = head
 
     def forward(self, aux, shifted_ids, anchors):
+        if isinstance(self.head, Eagle3Head):
+            return eagle3_training_forward(self.head, aux, shifted_ids, anchors)
         return training_forward(self.head, aux, shifted_ids, anchors)
 
 

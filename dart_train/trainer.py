@@ -36,7 +36,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from dart_core import DartConfig, DartHead, NGramModel, TreeConfig
+from dart_core import DartConfig, DartHead, Eagle3Head, NGramModel
 from dart_core.io import atomic_write
 from dart_hf.target import first_eos
 from dart_train.data import read_shards
@@ -47,8 +47,10 @@ from dart_train.vocab import build_draft_vocab
 CHECKPOINT_DIR = "checkpoint-latest"
 STATE_NAME = "trainer_state.pt"
 SAVE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# what a run trains: a DART head, or the EAGLE3-style baseline drafter (dart_core.eagle3) on the same data and loss
+HEAD_CLASSES = {"dart": DartHead, "eagle3": Eagle3Head}
 # fields that must match when resuming (they decide shapes, data order and the held-out split)
-RESUME_FIXED = ("target", "data", "draft_length", "draft_vocab_size", "intermediate_size", "seq_len", "batch_size",
+RESUME_FIXED = ("mode", "target", "data", "draft_length", "draft_vocab_size", "intermediate_size", "seq_len", "batch_size",
                 "anchors_per_seq", "seed", "heldout_fraction", "init_from")
 
 
@@ -58,9 +60,12 @@ class TrainConfig:
 
     Sequences longer than `seq_len` are split into consecutive windows of `seq_len` tokens (each window is a
     separate sample; its prompt_length is what remains of the prompt inside it); windows with no response token to
-    predict are dropped. `batch_size` is per process. `steps` counts optimizer steps.
+    predict are dropped. `batch_size` is per process. `steps` counts optimizer steps. `mode` "eagle3" trains the
+    EAGLE3-style baseline (D+1 unrolled steps instead of mask rows); `init_from` may then name a DART head, whose
+    weights it starts from.
     """
 
+    mode: str = "dart"
     target: str = "smollm2"
     data: list[str] = dataclasses.field(default_factory=list)
     out: str = "runs/dart-head"
@@ -122,6 +127,8 @@ class TrainConfig:
                 raise ValueError(f"{name} must be a positive number, got {value!r}")
         if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
             raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay!r}")
+        if self.mode not in HEAD_CLASSES:
+            raise ValueError(f"mode must be one of {', '.join(HEAD_CLASSES)}, got {self.mode!r}")
         if self.save_dtype not in SAVE_DTYPES:
             raise ValueError(f"save_dtype must be one of {', '.join(SAVE_DTYPES)}, got {self.save_dtype!r}")
         if self.stop_at is not None and self.stop_at < 1:
@@ -230,8 +237,9 @@ def target_shape(model) -> dict:
 def build_head(model, cfg: TrainConfig, train_sequences: list[tuple[np.ndarray, int]]) -> DartHead:
     """A fresh head shaped like the target (or `cfg.init_from`), draft vocab from the training data, taps recorded."""
     shape = target_shape(model)
+    head_class = HEAD_CLASSES[cfg.mode]
     if cfg.init_from is not None:
-        head = DartHead.from_pretrained(cfg.init_from, load_ngram=False)
+        head = load_init_head(cfg.init_from, head_class)
         if head.config.num_target_layers is None and head.config.target_layer_ids is None:
             head.config.num_target_layers = shape["num_target_layers"]
         head.config.target_layer_ids = head.config.layer_ids_for(shape["num_target_layers"])
@@ -247,15 +255,26 @@ def build_head(model, cfg: TrainConfig, train_sequences: list[tuple[np.ndarray, 
         target_hidden_size=shape["hidden_size"], rms_norm_eps=shape["rms_norm_eps"],
         rope_theta=shape["rope_theta"], rope_scaling=shape["rope_scaling"],
         max_position_embeddings=shape["max_position_embeddings"], num_target_layers=shape["num_target_layers"])
-    head = DartHead(config)
+    head = head_class(config)
     with torch.no_grad():
-        head.midlayer.mask_rep.normal_(0.0, 1.0)  # like the reference's torch.randn(2H)
+        if hasattr(head.midlayer, "mask_rep"):
+            head.midlayer.mask_rep.normal_(0.0, 1.0)  # like the reference's torch.randn(2H)
         head.d2t.copy_(d2t)
         head.t2d.copy_(t2d)
         out = model.get_output_embeddings()
         if cfg.init_lm_head_from_target and out is not None and out.weight.shape[1] == config.hidden_size:
             head.lm_head.weight.copy_(out.weight[torch.as_tensor(target_ids)].float())
     return head
+
+
+def load_init_head(path: str, head_class: type) -> DartHead:
+    """The warm-start head of `--init-from`: a head of `head_class`, or an EAGLE3-style drafter built from a DART
+    head's weights (minus the mask rows)."""
+    if head_class is Eagle3Head:
+        saved = DartConfig.from_pretrained(path).extra.get("architectures") or []
+        if Eagle3Head.ARCHITECTURE not in saved:
+            return Eagle3Head.from_dart_head(DartHead.from_pretrained(path, load_ngram=False))
+    return head_class.from_pretrained(path, load_ngram=False)
 
 
 # ---- schedule, checkpoints ----------------------------------------------------------------------------------------
@@ -408,7 +427,7 @@ class Trainer:
             if diff:
                 raise ValueError("--resume: settings differ from the checkpoint's: "
                                  + ", ".join(f"{k} {saved[k]!r} -> {getattr(cfg, k)!r}" for k in diff))
-            head = DartHead.from_pretrained(ckpt, load_ngram=False)
+            head = HEAD_CLASSES[cfg.mode].from_pretrained(ckpt, load_ngram=False)
             self.start_step = int(resume_state["step"])
         else:
             head = build_head(model, cfg, self.train_sequences)
@@ -627,7 +646,7 @@ class Trainer:
         summary = {"step": step, "losses": losses, "out": str(self.out)}
         if step == cfg.steps:
             if self.head.tree_config is None:  # the search settings travel with the head; EOS is the target's
-                self.head.tree_config = TreeConfig(eos_token_id=first_eos(self.model.generation_config))
+                self.head.tree_config = self.head.default_tree_config(first_eos(self.model.generation_config))
             if cfg.ngram:
                 self.head.ngram = NGramModel.build([t for t, _ in self.train_sequences], order=cfg.ngram_order,
                                                    vocab_size=self.head.config.vocab_size)

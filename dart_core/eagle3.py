@@ -1,0 +1,205 @@
+"""The EAGLE3-style baseline drafter: DART's one-layer head without mask rows, drafting one level per forward.
+
+Where a DART head predicts D+1 positions in one forward (mask rows), this drafter feeds its own output back:
+
+- step 0 (`Eagle3Head.forward`): the real rows exactly as in `DartHead` (input cat(input_layernorm(embed(x[p+1])),
+  hidden_norm(fc(aux[p]))), residual fc(aux[p]), causal attention, cached); the last real row's output `h` gives the
+  logits for the first draft level.
+- step j >= 1 (`Eagle3Head.chain_rows`): a row for a drafted token y with the output `h` of the row that predicted
+  it: input cat(input_layernorm(embed(y)), hidden_norm(h)), residual h, RoPE position one past its parent's. It sees
+  the cached real rows, the rows of its own ancestors and itself; it is never cached.
+
+`draft_candidates` + `select_draft_tree` build an EAGLE-2/3 dynamic tree from that (`TreeConfig.topk` = branching
+and beam per level, `TreeConfig.remain_total` = draft nodes kept, D+1 levels); the result is a `DraftTree` that the
+same verification as DART's consumes. Training (`dart_train.loss.eagle3_training_forward`) unrolls the same D+1
+steps with the teacher's tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from dart_core.config import DartConfig, TreeConfig
+from dart_core.head import DartHead, DartHeadCache, row_positions, step_attention_mask
+from dart_core.tree import DraftTree
+
+
+class Eagle3Head(DartHead):
+    """EAGLE3-style drafter with DartHead's weights minus `midlayer.mask_rep` (module docstring).
+
+    `head(aux, shifted_ids, cache)` returns (logits [B, Vd], hidden [B, H]) of the last real row.
+    """
+
+    ARCHITECTURE = "Eagle3Head"
+
+    def __init__(self, config: DartConfig) -> None:
+        super().__init__(config)
+        del self.midlayer.mask_rep
+
+    @classmethod
+    def from_dart_head(cls, head: DartHead) -> "Eagle3Head":
+        """A drafter starting from a DART head's weights (the mask rows are dropped); embeddings stay shared."""
+        out = cls(head.config)
+        state = {k: v for k, v in head.state_dict().items() if k != "midlayer.mask_rep"}
+        out.load_state_dict(state, strict=True)
+        out.to(head.fc.weight.dtype)
+        if head.get_input_embeddings() is not None:
+            out.set_input_embeddings(head.get_input_embeddings())
+        out.ngram, out.tree_config = head.ngram, head.tree_config
+        return out
+
+    def default_tree_config(self, eos_token_id: Optional[int]) -> TreeConfig:
+        """EAGLE-2/3's defaults: 10 children per expanded node and a beam of 10, 60 draft nodes kept."""
+        return TreeConfig(topk=10, remain_total=60, eos_token_id=eos_token_id)
+
+    @property
+    def num_levels(self) -> int:
+        """Draft levels (= forwards per draft): D+1, the positions a DART head of the same config predicts."""
+        return self.config.draft_length + 1
+
+    # ---- step 0: real rows ----------------------------------------------------------------------------------
+    def real_rows(self, aux_hidden: torch.Tensor, shifted_ids: torch.Tensor, cache: Optional[DartHeadCache] = None,
+                  lengths: Optional[torch.Tensor] = None):
+        """aux [B, T, 3Ht], ids [B, T] -> (h [B, T, H] layer outputs, k/v [B, kv, T, hd]) of every real row."""
+        b, t = self._check_inputs(aux_hidden, shifted_ids, cache, lengths)
+        device = aux_hidden.device
+        if lengths is None:
+            lengths = torch.full((b,), t, dtype=torch.long, device=device)
+        past = cache.lengths if cache is not None else torch.zeros(b, dtype=torch.long, device=device)
+        dtype = self.fc.weight.dtype
+        layer = self.midlayer
+        s = self.fc(aux_hidden.to(dtype))  # [B, T, H]
+        x = torch.cat((layer.input_layernorm(self._embed(shifted_ids).to(dtype)), layer.hidden_norm(s)), dim=-1)
+        q, k, v = layer.self_attn.qkv(x, row_positions(past, lengths, t, 0), self.inv_freq)
+        span = cache.max_length() if cache is not None else 0
+        keys = torch.cat((cache.keys[:, :, :span], k), dim=2) if span else k
+        values = torch.cat((cache.values[:, :, :span], v), dim=2) if span else v
+        h = s + layer.self_attn.attend(q, keys, values, step_attention_mask(past, lengths, span, t, 0, dtype))
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return h, k, v
+
+    def forward(self, aux_hidden: torch.Tensor, shifted_ids: torch.Tensor, cache: Optional[DartHeadCache] = None,
+                lengths: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step 0: -> (logits [B, Vd], hidden [B, H]) of each batch row's last real row; real rows join `cache`."""
+        h, k, v = self.real_rows(aux_hidden, shifted_ids, cache, lengths)
+        b, t = shifted_ids.shape
+        if lengths is None:
+            lengths = torch.full((b,), t, dtype=torch.long, device=h.device)
+        last = h[torch.arange(b, device=h.device), lengths - 1]  # [B, H]
+        if cache is not None:
+            cache.append(k, v, lengths)
+        return self.logits(last), last
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Layer outputs [..., H] -> draft-vocab logits [..., Vd] (the reference's double final norm)."""
+        return self.lm_head(self.norm(self.norm(hidden)))
+
+    # ---- steps >= 1: chain rows -----------------------------------------------------------------------------
+    def chain_rows(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                   context_keys: torch.Tensor, context_values: torch.Tensor, context_visible: torch.Tensor):
+        """One autoregressive step for K rows.
+
+        tokens [B, K] target ids, hidden [B, K, H] outputs of the rows that predicted them, positions [B, K];
+        context k/v [B, kv, S, hd] of earlier rows with context_visible [B, K, S] bool; each new row also sees
+        itself (and no other new row). -> (hidden [B, K, H], k/v [B, kv, K, hd]).
+        """
+        dtype = self.fc.weight.dtype
+        layer = self.midlayer
+        hidden = hidden.to(dtype)
+        x = torch.cat((layer.input_layernorm(self._embed(tokens).to(dtype)), layer.hidden_norm(hidden)), dim=-1)
+        q, k, v = layer.self_attn.qkv(x, positions, self.inv_freq)
+        kk = tokens.shape[1]
+        see = torch.cat((context_visible, torch.eye(kk, dtype=torch.bool, device=tokens.device).expand(
+            tokens.shape[0], kk, kk)), dim=-1)  # [B, K, S+K]
+        mask = torch.where(see, torch.zeros((), dtype=dtype, device=see.device), torch.finfo(dtype).min)[:, None]
+        keys, values = torch.cat((context_keys, k), dim=2), torch.cat((context_values, v), dim=2)
+        h = hidden + layer.self_attn.attend(q, keys, values, mask)
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return h, k, v
+
+    # ---- drafting a tree (batch size 1) ---------------------------------------------------------------------
+    @torch.no_grad()
+    def draft_candidates(self, aux_hidden: torch.Tensor, shifted_ids: torch.Tensor, cache: DartHeadCache,
+                         topk: int) -> "DraftCandidates":
+        """Run the D+1 draft levels for one sequence (B=1) and return every expanded candidate.
+
+        Level 1: the top-`topk` tokens of the last real row. Level l > 1: each of the `topk` best nodes of level l-1
+        (the beam, by cumulative log-probability) gets one chain row and contributes its top-`topk` children.
+        """
+        if shifted_ids.shape[0] != 1:
+            raise ValueError(f"Eagle3Head drafts one sequence at a time, got batch size {shifted_ids.shape[0]}")
+        logits, hidden = self(aux_hidden, shifted_ids, cache)  # [1, Vd], [1, H]
+        device = logits.device
+        k = min(int(topk), self.config.draft_vocab_size)
+        log_probs, ids = torch.log_softmax(logits[0].float(), dim=-1).topk(k)  # [k]
+        tokens, parents, scores = [self.draft_to_target(ids)], [torch.full((k,), -1, device=device)], [log_probs]
+        depths = [torch.ones(k, dtype=torch.long, device=device)]
+        beam = torch.arange(k, device=device)  # pool indices of the beam
+        beam_hidden = hidden.expand(k, -1)  # [k, H] outputs of the rows that predicted the beam tokens
+        span = cache.max_length()
+        ctx_keys, ctx_values = cache.keys[:, :, :span], cache.values[:, :, :span]
+        ctx_visible = torch.ones(k, span, dtype=torch.bool, device=device)  # [k, S] per beam node
+        base = int(cache.lengths[0]) - 1  # position of the last real row
+        pool_size = k
+        for level in range(2, self.num_levels + 1):
+            beam_tokens = torch.cat(tokens)[beam]
+            positions = torch.full((1, k), base + level - 1, dtype=torch.long, device=device)
+            h, new_k, new_v = self.chain_rows(beam_tokens[None], beam_hidden[None], positions, ctx_keys, ctx_values,
+                                              ctx_visible[None])
+            step_log_probs = torch.log_softmax(self.logits(h[0]).float(), dim=-1)  # [k, Vd]
+            child_lp, child_ids = step_log_probs.topk(k, dim=-1)  # [k, k]
+            cum = (torch.cat(scores)[beam][:, None] + child_lp).reshape(-1)  # [k*k]
+            tokens.append(self.draft_to_target(child_ids.reshape(-1)))
+            parents.append(beam.repeat_interleave(k))
+            scores.append(cum)
+            depths.append(torch.full((k * k,), level, dtype=torch.long, device=device))
+            # next beam: the best children; each sees its parent's context plus the parent's own new row
+            best = cum.topk(k).indices  # [k] indices into this level's k*k children
+            parent_row = best // k
+            rows = torch.zeros(k, k, dtype=torch.bool, device=device)
+            rows[torch.arange(k, device=device), parent_row] = True
+            ctx_visible = torch.cat((ctx_visible[parent_row], rows), dim=1)
+            ctx_keys, ctx_values = torch.cat((ctx_keys, new_k), dim=2), torch.cat((ctx_values, new_v), dim=2)
+            beam_hidden = h[0, parent_row]
+            beam = pool_size + best
+            pool_size += k * k
+        return DraftCandidates(torch.cat(tokens), torch.cat(parents).long(), torch.cat(depths), torch.cat(scores))
+
+
+@dataclasses.dataclass
+class DraftCandidates:
+    """Every node `Eagle3Head.draft_candidates` expanded, parents before children.
+
+    tokens [P] target ids, parents [P] pool index (-1: child of the root), depths [P] (1 = child of the root),
+    scores [P] cumulative log-probabilities (never larger than the parent's).
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depths: torch.Tensor
+    scores: torch.Tensor
+
+
+def select_draft_tree(candidates: DraftCandidates, root_token: torch.Tensor, num_nodes: int) -> DraftTree:
+    """The `num_nodes` best candidates by score (ties: earlier first, so every kept node's parent is kept) as a
+    `DraftTree` rooted at `root_token` (a 0-d or [1] tensor), nodes ordered by depth then score."""
+    count = min(int(num_nodes), int(candidates.tokens.shape[0]))
+    order = torch.sort(-candidates.scores, stable=True).indices[:count]  # pool indices, best first
+    # depth-major order keeps parents before children; the stable sort keeps score order within a depth
+    keep = order[torch.argsort(candidates.depths[order], stable=True)]
+    node_of = torch.full((candidates.tokens.shape[0],), -1, dtype=torch.long, device=keep.device)
+    node_of[keep] = torch.arange(1, count + 1, device=keep.device)
+    parent_pool = candidates.parents[keep]
+    parents = torch.where(parent_pool < 0, torch.zeros_like(parent_pool), node_of[parent_pool.clamp(min=0)])
+    if bool((parents < 0).any()):
+        raise AssertionError("selected candidates are not closed under taking parents")
+    root = root_token.reshape(1).to(candidates.tokens)
+    return DraftTree(
+        tokens=torch.cat((root, candidates.tokens[keep])).cpu(),
+        parents=torch.cat((torch.tensor([-1]), parents.cpu())),
+        depths=torch.cat((torch.tensor([0]), candidates.depths[keep].cpu())),
+        scores=torch.cat((torch.zeros(1), candidates.scores[keep].float().cpu())),
+    )
