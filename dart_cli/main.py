@@ -6,6 +6,7 @@ import argparse
 import sys
 from typing import Callable, Optional
 
+from dart_cli.bench import add_bench
 from dart_cli.convert import add_convert
 from dart_cli.train import add_distill, add_ngram, add_train
 
@@ -56,7 +57,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     return 0 if result["identical"] else 1
 
 
-COMMANDS: list[Callable] = [_add_demo, add_convert, add_distill, add_train, add_ngram]
+COMMANDS: list[Callable] = [_add_demo, add_bench, add_convert, add_distill, add_train, add_ngram]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,7 +1,11 @@
-"""Test-wide settings: one torch thread (on 2-core machines tiny-model tests run several times faster)."""
+"""Test-wide settings: one torch thread (on 2-core machines tiny-model tests run several times faster); the tiny
+training run shared by the trainer tests."""
 
 import pytest
 import torch
+
+from dart_train.data import write_shard
+from hf_models import tiny_target
 
 
 @pytest.fixture(autouse=True)
@@ -10,3 +14,37 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory):
+    """A tiny target saved as a model directory and shards of its own greedy continuations of random prompts."""
+    root = tmp_path_factory.mktemp("train")
+    target = tiny_target(seed=3)
+    target.save_pretrained(root / "target")
+    _word_tokenizer().save_pretrained(root / "target")
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, 96, (48, 6), generator=g)
+    with torch.no_grad():
+        out = target.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=34, do_sample=False)
+    data = root / "data"
+    data.mkdir()
+    sequences = [row.tolist() for row in out]
+    write_shard(data / "shard-00000.npz", sequences[:24], [6] * 24)
+    write_shard(data / "shard-00001.npz", sequences[24:], [6] * 24)
+    return root, target
+
+
+def _word_tokenizer():
+    """A 96-word tokenizer (ids fit the tiny target) with a one-line chat template, for the distill/text commands."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "<pad>", "<eos>"] + [f"w{i}" for i in range(90)] + ["hello", "world", "user"]
+    model = Tokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    model.pre_tokenizer = Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=model, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>")
+    tok.chat_template = "{% for m in messages %}user {{ m['content'] }} {% endfor %}"
+    return tok

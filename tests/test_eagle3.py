@@ -15,7 +15,7 @@ from dart_core.eagle3 import select_draft_tree
 from dart_train.loss import eagle3_training_forward
 from dart_train.trainer import train
 from hf_models import random_head, tiny_target
-from test_train import _config, tiny_run  # noqa: F401  (module fixture reused)
+from test_train import _config
 
 
 def _eagle3(target, draft_length=4, draft_vocab=None, seed=1) -> Eagle3Head:
@@ -204,7 +204,7 @@ def test_save_load_round_trip_and_refusals(tmp_path):
         model.generate(prompt, attention_mask=torch.ones_like(prompt), assistant_model=head, max_new_tokens=4)
 
 
-def test_trainer_eagle3_mode_learns_and_starts_from_a_dart_head(tiny_run, tmp_path):  # noqa: F811
+def test_trainer_eagle3_mode_learns_and_starts_from_a_dart_head(tiny_run, tmp_path):
     root, target = tiny_run
     cfg = _config(root, tmp_path / "e3", mode="eagle3", steps=40, lr=1e-2, warmup_steps=4, eval_every=40)
     summary = train(cfg, model=target)

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 import dart_train.loss as loss_mod
 from dart_cli.main import main
 from dart_core import DartHead, NGramModel, TreeConfig
-from dart_train.data import read_shards, write_shard
+from dart_train.data import read_shards
 from dart_train.features import collate, target_features
 from dart_train.loss import (anchor_range, choose_anchors, dart_loss, kl_and_agreement, training_forward,
                              training_visibility)
@@ -211,40 +211,6 @@ def test_split_windows_and_heldout_split():
 
 
 # ---- the trainer ----------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
-    """A tiny target saved as a model directory and shards of its own greedy continuations of random prompts."""
-    root = tmp_path_factory.mktemp("train")
-    target = tiny_target(seed=3)
-    target.save_pretrained(root / "target")
-    _word_tokenizer().save_pretrained(root / "target")
-    g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(0, 96, (48, 6), generator=g)
-    with torch.no_grad():
-        out = target.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=34, do_sample=False)
-    data = root / "data"
-    data.mkdir()
-    sequences = [row.tolist() for row in out]
-    write_shard(data / "shard-00000.npz", sequences[:24], [6] * 24)
-    write_shard(data / "shard-00001.npz", sequences[24:], [6] * 24)
-    return root, target
-
-
-def _word_tokenizer():
-    """A 96-word tokenizer (ids fit the tiny target) with a one-line chat template, for the distill/text commands."""
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import Whitespace
-    from transformers import PreTrainedTokenizerFast
-
-    words = ["<unk>", "<pad>", "<eos>"] + [f"w{i}" for i in range(90)] + ["hello", "world", "user"]
-    model = Tokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    model.pre_tokenizer = Whitespace()
-    tok = PreTrainedTokenizerFast(tokenizer_object=model, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>")
-    tok.chat_template = "{% for m in messages %}user {{ m['content'] }} {% endfor %}"
-    return tok
-
-
 def _config(root, out, **kw) -> TrainConfig:
     base = dict(target=str(root / "target"), data=[str(root / "data")], out=str(out), draft_length=3,
                 draft_vocab_size=64, seq_len=32, batch_size=4, anchors_per_seq=8, lr=3e-3, warmup_steps=2, steps=6,

@@ -1,0 +1,92 @@
+"""`dart-spec bench`: plain, prompt lookup, DART tree, DART chain and the EAGLE3-style drafter on SmolLM2."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import platform
+from pathlib import Path
+
+from dart_hf.bench import METHODS, PROMPT_SETS
+
+
+def add_bench(sub) -> None:
+    p = sub.add_parser(
+        "bench", help="compare decoding methods on SmolLM2 in one run (JSON, markdown table, PNG charts)",
+        description="Time plain generate(), prompt lookup, DART tree, DART chain (assistant_model=) and an "
+                    "EAGLE3-style drafter on SmolLM2-135M-Instruct, batch 1, over MT-Bench, HumanEval and held-out "
+                    "GSM8K prompts at each temperature; every prompt runs all methods back to back. Writes "
+                    "results.json, table.md, speedup.png and breakdown.png into --out.")
+    p.add_argument("--out", required=True, metavar="DIR", help="output directory")
+    p.add_argument("--data", default="../shared/data", metavar="DIR",
+                   help="directory with mt_bench_questions.jsonl, humaneval.jsonl, gsm8k_train.jsonl "
+                        "(default ../shared/data)")
+    p.add_argument("--sets", nargs="+", choices=PROMPT_SETS, default=list(PROMPT_SETS), help="prompt sets")
+    p.add_argument("--per-set", type=int, default=6, help="prompts per set (default 6)")
+    p.add_argument("--methods", nargs="+", choices=METHODS,
+                   help="methods (default: all; without --eagle3 all but eagle3); plain is always included")
+    p.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0], help="default: 0 1")
+    p.add_argument("--repeats", type=int, default=3, help="repeats of the whole grid (default 3)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="default 128")
+    p.add_argument("--head", metavar="DIR", help="DART head directory (default: the shipped one)")
+    p.add_argument("--eagle3", metavar="DIR", help="EAGLE3-style drafter directory (dart-spec train --mode eagle3)")
+    p.add_argument("--no-calibrate", action="store_false", dest="calibrate",
+                   help="use the heads' own tree sizes instead of this machine's calibration (cached; measured "
+                        "first when missing)")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed base (default 0)")
+    p.add_argument("--no-charts", action="store_false", dest="charts", help="skip the PNG charts (no matplotlib)")
+    p.set_defaults(run=_run_bench)
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    from dart_cli.main import UsageError
+
+    if args.per_set < 1 or args.repeats < 1 or args.max_new_tokens < 1 or args.threads < 1:
+        raise UsageError("--per-set, --repeats, --max-new-tokens and --threads must be >= 1")
+    methods = list(args.methods or [m for m in METHODS if m != "eagle3" or args.eagle3])
+    if "eagle3" in methods and not args.eagle3:
+        raise UsageError("method eagle3 needs --eagle3 DIR (a drafter from `dart-spec train --mode eagle3`)")
+    if args.eagle3 and not Path(args.eagle3, "config.json").is_file():
+        raise FileNotFoundError(f"EAGLE3-style drafter not found: no config.json in {args.eagle3}")
+    if args.charts and importlib.util.find_spec("matplotlib") is None:
+        raise UsageError("charts need matplotlib (pip install 'dart-spec[bench]'), or pass --no-charts")
+    import torch
+
+    import dart_hf
+    from dart_core import Eagle3Head
+    from dart_hf.bench import BenchConfig, load_prompt_sets, markdown_table, run_bench, write_report
+    from dart_hf.calibrate import device_name
+    from dart_hf.target import plan_for
+
+    torch.set_num_threads(args.threads)
+    prompt_sets = load_prompt_sets(args.data, args.per_set, args.sets)
+    config = BenchConfig(methods=tuple(methods), temperatures=tuple(args.temperatures), repeats=args.repeats,
+                         max_new_tokens=args.max_new_tokens, seed=args.seed)
+    model, tokenizer, head = dart_hf.load_default(args.head, use_calibration=False)
+    drafters = {"dart": head}
+    if args.eagle3:
+        param = next(model.parameters())
+        drafters["eagle3"] = Eagle3Head.from_pretrained(args.eagle3, dtype=param.dtype, device=param.device).eval()
+        plan_for(model, drafters["eagle3"], tokenizer)
+    config.validate(drafters)
+    trees = {}
+    for name, drafter in drafters.items():
+        if args.calibrate:
+            drafter.tree_config = dart_hf.tuned_tree_config(model, tokenizer, drafter)
+        trees[name] = drafter.tree_config.to_dict() if drafter.tree_config else None
+        print(f"{name}: {trees[name]}")
+    results = run_bench(model, tokenizer, drafters, prompt_sets, config, progress=True)
+    results["environment"] = {"torch": torch.__version__, "threads": torch.get_num_threads(),
+                              "machine": device_name(next(model.parameters()).device),
+                              "python": platform.python_version(), "tree_configs": trees,
+                              "head": args.head or "shipped", "eagle3": args.eagle3, "per_set": args.per_set,
+                              "sets": list(args.sets)}
+    paths = write_report(results, args.out, charts=args.charts)
+    print(markdown_table([r for r in results["summary"] if r["set"] == "all"]))
+    for row in results["dart_vs_eagle3"]:
+        print(f"temperature {row['temperature']:g}: DART drafting {row['dart_drafting_ms_per_step']:.1f} ms/step vs "
+              f"EAGLE3-style {row['eagle3_drafting_ms_per_step']:.1f} ({row['drafting_cost_ratio']:.1f}x cheaper); "
+              f"tokens/s DART / EAGLE3-style {row['tokens_per_s_ratio']:.2f}")
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0
