@@ -45,7 +45,8 @@ def _run_bench(args: argparse.Namespace) -> int:
 
     if args.per_set < 1 or args.repeats < 1 or args.max_new_tokens < 1 or args.threads < 1:
         raise UsageError("--per-set, --repeats, --max-new-tokens and --threads must be >= 1")
-    methods = list(args.methods or [m for m in METHODS if m != "eagle3" or args.eagle3])
+    chosen = args.methods or [m for m in METHODS if m != "eagle3" or args.eagle3]
+    methods = ["plain"] + [m for m in chosen if m != "plain"]
     if "eagle3" in methods and not args.eagle3:
         raise UsageError("method eagle3 needs --eagle3 DIR (a drafter from `dart-spec train --mode eagle3`)")
     if args.eagle3 and not Path(args.eagle3, "config.json").is_file():
@@ -86,8 +87,10 @@ def _run_bench(args: argparse.Namespace) -> int:
     paths = write_report(results, args.out, charts=args.charts)
     print(markdown_table([r for r in results["summary"] if r["set"] == "all"]))
     for row in results["dart_vs_eagle3"]:
+        ratio = row["drafting_cost_ratio"]
+        relation = f"{ratio:.1f}x cheaper" if ratio >= 1 else f"{1 / ratio:.1f}x more expensive"
         print(f"temperature {row['temperature']:g}: DART drafting {row['dart_drafting_ms_per_step']:.1f} ms/step vs "
-              f"EAGLE3-style {row['eagle3_drafting_ms_per_step']:.1f} ({row['drafting_cost_ratio']:.1f}x cheaper); "
+              f"EAGLE3-style {row['eagle3_drafting_ms_per_step']:.1f} (DART {relation}); "
               f"tokens/s DART / EAGLE3-style {row['tokens_per_s_ratio']:.2f}")
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0

@@ -41,14 +41,15 @@ class Eagle3Head(DartHead):
 
     @classmethod
     def from_dart_head(cls, head: DartHead) -> "Eagle3Head":
-        """A drafter starting from a DART head's weights (the mask rows are dropped); embeddings stay shared."""
+        """A drafter starting from a DART head's weights (the mask rows dropped), on its device and dtype, sharing
+        its embedding table; tree settings are this drafter's defaults (with the head's EOS), no n-gram."""
         out = cls(head.config)
         state = {k: v for k, v in head.state_dict().items() if k != "midlayer.mask_rep"}
         out.load_state_dict(state, strict=True)
-        out.to(head.fc.weight.dtype)
+        out.to(device=head.fc.weight.device, dtype=head.fc.weight.dtype)
         if head.get_input_embeddings() is not None:
-            out.set_input_embeddings(head.get_input_embeddings())
-        out.ngram, out.tree_config = head.ngram, head.tree_config
+            out.set_input_embeddings(head.get_input_embeddings(), save_with_head=head._embedding_from_checkpoint)
+        out.tree_config = out.default_tree_config(head.tree_config.eos_token_id if head.tree_config else None)
         return out
 
     def default_tree_config(self, eos_token_id: Optional[int]) -> TreeConfig:
@@ -106,19 +107,27 @@ class Eagle3Head(DartHead):
         context k/v [B, kv, S, hd] of earlier rows with context_visible [B, K, S] bool; each new row also sees
         itself (and no other new row). -> (hidden [B, K, H], k/v [B, kv, K, hd]).
         """
-        dtype = self.fc.weight.dtype
-        layer = self.midlayer
-        hidden = hidden.to(dtype)
-        x = torch.cat((layer.input_layernorm(self._embed(tokens).to(dtype)), layer.hidden_norm(hidden)), dim=-1)
-        q, k, v = layer.self_attn.qkv(x, positions, self.inv_freq)
-        kk = tokens.shape[1]
-        see = torch.cat((context_visible, torch.eye(kk, dtype=torch.bool, device=tokens.device).expand(
-            tokens.shape[0], kk, kk)), dim=-1)  # [B, K, S+K]
-        mask = torch.where(see, torch.zeros((), dtype=dtype, device=see.device), torch.finfo(dtype).min)[:, None]
+        hidden = hidden.to(self.fc.weight.dtype)
+        q, k, v = self._chain_qkv(tokens, hidden, positions)
+        see = torch.cat((context_visible, _self_only(tokens.shape[0], tokens.shape[1], tokens.device)), dim=-1)
         keys, values = torch.cat((context_keys, k), dim=2), torch.cat((context_values, v), dim=2)
+        return self._chain_output(hidden, q, keys, values, see), k, v
+
+    def _chain_qkv(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor):
+        """Chain rows' input cat(input_layernorm(embed(y)), hidden_norm(h)) -> q, k, v (RoPE applied)."""
+        layer = self.midlayer
+        x = torch.cat((layer.input_layernorm(self._embed(tokens).to(hidden.dtype)), layer.hidden_norm(hidden)),
+                      dim=-1)
+        return layer.self_attn.qkv(x, positions, self.inv_freq)
+
+    def _chain_output(self, hidden: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                      see: torch.Tensor) -> torch.Tensor:
+        """Attention over keys/values [B, kv, S, hd] where see [B, K, S] (residual: the fed hidden), then the MLP."""
+        layer = self.midlayer
+        dtype = hidden.dtype
+        mask = torch.where(see, torch.zeros((), dtype=dtype, device=see.device), torch.finfo(dtype).min)[:, None]
         h = hidden + layer.self_attn.attend(q, keys, values, mask)
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return h, k, v
+        return h + layer.mlp(layer.post_attention_layernorm(h))
 
     # ---- drafting a tree (batch size 1) ---------------------------------------------------------------------
     @torch.no_grad()
@@ -137,36 +146,48 @@ class Eagle3Head(DartHead):
         log_probs, ids = torch.log_softmax(logits[0].float(), dim=-1).topk(k)  # [k]
         tokens, parents, scores = [self.draft_to_target(ids)], [torch.full((k,), -1, device=device)], [log_probs]
         depths = [torch.ones(k, dtype=torch.long, device=device)]
-        beam = torch.arange(k, device=device)  # pool indices of the beam
+        beam_tokens, beam_scores = tokens[0], log_probs  # [k] the nodes that get a chain row next
+        beam = torch.arange(k, device=device)  # their pool indices
         beam_hidden = hidden.expand(k, -1)  # [k, H] outputs of the rows that predicted the beam tokens
-        span = cache.max_length()
-        ctx_keys, ctx_values = cache.keys[:, :, :span], cache.values[:, :, :span]
-        ctx_visible = torch.ones(k, span, dtype=torch.bool, device=device)  # [k, S] per beam node
-        base = int(cache.lengths[0]) - 1  # position of the last real row
+        # chain rows go into the cache's scratch space past the real rows (never committed: the next append
+        # overwrites them), so no level copies the context
+        filled = int(cache.lengths[0])
+        cache.reserve(filled + (self.num_levels - 1) * k)
+        visible = torch.ones(k, filled, dtype=torch.bool, device=device)  # [k, S] per beam node
+        base = filled - 1  # position of the last real row
         pool_size = k
         for level in range(2, self.num_levels + 1):
-            beam_tokens = torch.cat(tokens)[beam]
             positions = torch.full((1, k), base + level - 1, dtype=torch.long, device=device)
-            h, new_k, new_v = self.chain_rows(beam_tokens[None], beam_hidden[None], positions, ctx_keys, ctx_values,
-                                              ctx_visible[None])
-            step_log_probs = torch.log_softmax(self.logits(h[0]).float(), dim=-1)  # [k, Vd]
+            q, new_k, new_v = self._chain_qkv(beam_tokens[None], beam_hidden[None], positions)
+            cache.keys[:, :, filled: filled + k], cache.values[:, :, filled: filled + k] = new_k, new_v
+            see = torch.cat((visible, torch.eye(k, dtype=torch.bool, device=device)), dim=1)  # [k, S+k]
+            h = self._chain_output(beam_hidden[None], q, cache.keys[:, :, : filled + k],
+                                   cache.values[:, :, : filled + k], see[None])[0]  # [k, H]
+            filled += k
+            step_log_probs = torch.log_softmax(self.logits(h).float(), dim=-1)  # [k, Vd]
             child_lp, child_ids = step_log_probs.topk(k, dim=-1)  # [k, k]
-            cum = (torch.cat(scores)[beam][:, None] + child_lp).reshape(-1)  # [k*k]
+            cum = (beam_scores[:, None] + child_lp).reshape(-1)  # [k*k]
             tokens.append(self.draft_to_target(child_ids.reshape(-1)))
             parents.append(beam.repeat_interleave(k))
             scores.append(cum)
             depths.append(torch.full((k * k,), level, dtype=torch.long, device=device))
-            # next beam: the best children; each sees its parent's context plus the parent's own new row
+            if level == self.num_levels:
+                break
+            # next beam: the best children; each sees its parent's context plus the parent's own row
             best = cum.topk(k).indices  # [k] indices into this level's k*k children
             parent_row = best // k
-            rows = torch.zeros(k, k, dtype=torch.bool, device=device)
-            rows[torch.arange(k, device=device), parent_row] = True
-            ctx_visible = torch.cat((ctx_visible[parent_row], rows), dim=1)
-            ctx_keys, ctx_values = torch.cat((ctx_keys, new_k), dim=2), torch.cat((ctx_values, new_v), dim=2)
-            beam_hidden = h[0, parent_row]
+            own_row = torch.zeros(k, k, dtype=torch.bool, device=device)
+            own_row[torch.arange(k, device=device), parent_row] = True
+            visible = torch.cat((see[parent_row, :-k], own_row), dim=1)
+            beam_tokens, beam_scores, beam_hidden = tokens[-1][best], cum[best], h[parent_row]
             beam = pool_size + best
             pool_size += k * k
         return DraftCandidates(torch.cat(tokens), torch.cat(parents).long(), torch.cat(depths), torch.cat(scores))
+
+
+def _self_only(b: int, k: int, device) -> torch.Tensor:
+    """[B, K, K] bool: each of K new rows sees itself only."""
+    return torch.eye(k, dtype=torch.bool, device=device).expand(b, k, k)
 
 
 @dataclasses.dataclass

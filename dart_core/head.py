@@ -142,7 +142,9 @@ class DartHeadCache:
     def max_length(self) -> int:
         return int(self.lengths.max()) if self.lengths.numel() else 0
 
-    def _reserve(self, needed: int) -> None:
+    def reserve(self, needed: int) -> None:
+        """Grow the storage to hold at least `needed` rows per batch row (rows past `lengths` are scratch space:
+        the next `append` overwrites them)."""
         cap = self.keys.shape[2]
         if needed <= cap:
             return
@@ -153,7 +155,7 @@ class DartHeadCache:
     def append(self, k: torch.Tensor, v: torch.Tensor, new_lengths: torch.Tensor) -> None:
         """Store k/v [B, kv, T, hd] rows 0..new_lengths[b]-1 of each batch row after its current length."""
         b, _, t, _ = k.shape
-        self._reserve(self.max_length() + t)
+        self.reserve(self.max_length() + t)
         offs = torch.arange(t, device=k.device)
         dest = self.lengths[:, None] + offs  # [B, T]
         keep = offs[None, :] < new_lengths[:, None]  # [B, T]
@@ -198,6 +200,12 @@ class DartHead(nn.Module):
         self._embedding_from_checkpoint = False  # a table loaded with the weights is saved with them again
         self.ngram = None
         self.tree_config: Optional[TreeConfig] = None
+
+    def _apply(self, fn, recurse=True):
+        """`.to()`/`.half()` move the RoPE frequencies but keep them float32 (a bf16 copy would shift positions)."""
+        out = super()._apply(fn, recurse)
+        self.inv_freq = rope_inv_freq(self.config).to(self.inv_freq.device)
+        return out
 
     # ---- embeddings and vocab -------------------------------------------------------------------------------
     @property
@@ -347,10 +355,9 @@ class DartHead(nn.Module):
             state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in state.items()}
         save_safetensors_atomic(state, os.path.join(path, WEIGHTS_NAME), metadata={"format": "pt"})
         config = self.config.to_dict()
-        if self.ARCHITECTURE == DartHead.ARCHITECTURE:
-            config.setdefault("architectures", [self.ARCHITECTURE])
-        else:
-            config["architectures"] = [self.ARCHITECTURE]
+        saved = config.get("architectures") or []
+        if self.ARCHITECTURE != DartHead.ARCHITECTURE or not saved or "Eagle3Head" in saved:
+            config["architectures"] = [self.ARCHITECTURE]  # keeps e.g. an official head's own name otherwise
         if self.tree_config is not None:
             config[TREE_CONFIG_KEY] = self.tree_config.to_dict()
         if self.ngram is not None:

@@ -220,3 +220,30 @@ def test_trainer_eagle3_mode_learns_and_starts_from_a_dart_head(tiny_run, tmp_pa
     warm = Trainer(_config(root, tmp_path / "warm", mode="eagle3", init_from=str(tmp_path / "dart-head")),
                    model=target).head.state_dict()
     assert torch.equal(warm["fc.weight"], dart.state_dict()["fc.weight"]) and "midlayer.mask_rep" not in warm
+
+
+def test_from_dart_head_takes_the_drafter_defaults_not_the_dart_tree_settings():
+    from dart_core import TreeConfig
+
+    target = tiny_target()
+    dart = random_head(target)
+    dart.tree_config = TreeConfig(topk=25, remain_total=8, eos_token_id=3)
+    dart.ngram = object()
+    eagle = Eagle3Head.from_dart_head(dart.half())
+    assert eagle.tree_config == TreeConfig(topk=10, remain_total=60, eos_token_id=3) and eagle.ngram is None
+    assert eagle.fc.weight.dtype == torch.float16 and eagle.inv_freq.dtype == torch.float32
+
+
+def test_drafting_across_cached_calls_equals_one_call_on_the_whole_prefix():
+    """Chain rows live in the cache's scratch space: the next call's real rows must overwrite them."""
+    target = tiny_target(seed=7)
+    head = _eagle3(target, draft_length=3, draft_vocab=48, seed=3)
+    g = torch.Generator().manual_seed(7)
+    aux = torch.randn(1, 12, 3 * head.config.target_hidden_size, generator=g)
+    ids = torch.randint(0, head.config.vocab_size, (1, 12), generator=g)
+    cache = head.new_cache(1, capacity=4)  # small: the scratch space forces growth
+    for lo, hi in ((0, 5), (5, 6), (6, 12)):
+        stepwise = head.draft_candidates(aux[:, lo:hi], ids[:, lo:hi], cache, 3)
+    whole = head.draft_candidates(aux, ids, head.new_cache(1), 3)
+    assert torch.equal(stepwise.tokens, whole.tokens) and torch.equal(stepwise.parents, whole.parents)
+    torch.testing.assert_close(stepwise.scores, whole.scores, atol=1e-5, rtol=0)
