@@ -31,8 +31,9 @@ def add_bench(sub) -> None:
     p.add_argument("--head", metavar="DIR", help="DART head directory (default: the shipped one)")
     p.add_argument("--eagle3", metavar="DIR", help="EAGLE3-style drafter directory (dart-spec train --mode eagle3)")
     p.add_argument("--no-calibrate", action="store_false", dest="calibrate",
-                   help="use the heads' own tree sizes instead of this machine's calibration (cached; measured "
-                        "first when missing)")
+                   help="use the drafters' own tree settings instead of this machine's calibration (cached; measured "
+                        "first when missing): DART's node count; the EAGLE3-style drafter's node count for each of "
+                        "a few (topk, depth) searches, keeping the fastest")
     p.add_argument("--recalibrate", action="store_true", help="measure the tree sizes again even when cached")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed base (default 0)")
@@ -57,7 +58,8 @@ def _run_bench(args: argparse.Namespace) -> int:
 
     import dart_hf
     from dart_core import Eagle3Head
-    from dart_hf.bench import BenchConfig, load_prompt_sets, markdown_table, run_bench, write_report
+    from dart_hf.bench import (EAGLE3_SEARCHES, BenchConfig, calibrated_tree, load_prompt_sets, markdown_table,
+                               run_bench, write_report)
     from dart_hf.calibrate import device_name
     from dart_hf.target import plan_for
 
@@ -72,16 +74,19 @@ def _run_bench(args: argparse.Namespace) -> int:
         drafters["eagle3"] = Eagle3Head.from_pretrained(args.eagle3, dtype=param.dtype, device=param.device).eval()
         plan_for(model, drafters["eagle3"], tokenizer)
     config.validate(drafters)
-    trees = {}
+    trees, searched = {}, {}
     for name, drafter in drafters.items():
         if args.calibrate:
-            drafter.tree_config = dart_hf.tuned_tree_config(model, tokenizer, drafter, refresh=args.recalibrate)
+            searches = EAGLE3_SEARCHES if name == "eagle3" else ({},)
+            _, searched[name] = calibrated_tree(model, tokenizer, drafter, searches, refresh=args.recalibrate)
+            for row in searched[name]:
+                print(f"{name} calibration: {row}")
         trees[name] = drafter.tree_config.to_dict() if drafter.tree_config else None
         print(f"{name}: {trees[name]}")
     results = run_bench(model, tokenizer, drafters, prompt_sets, config, progress=True)
     results["environment"] = {"torch": torch.__version__, "threads": torch.get_num_threads(),
                               "machine": device_name(next(model.parameters()).device),
-                              "python": platform.python_version(), "tree_configs": trees,
+                              "python": platform.python_version(), "tree_configs": trees, "calibrations": searched,
                               "head": args.head or "shipped", "eagle3": args.eagle3, "per_set": args.per_set,
                               "sets": list(args.sets)}
     paths = write_report(results, args.out, charts=args.charts)

@@ -162,12 +162,15 @@ class TreeConfig:
     eos_token_id: Optional[int] = None
     level_weight_exponent: float = 0.7
     logit_weight_decay: float = 0.9
+    max_depth: Optional[int] = None  # draft levels used (None: all the head predicts, D+1)
 
     def __post_init__(self) -> None:
         for name in ("topk", "beam_width", "remain_total"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"TreeConfig.{name} must be a positive integer, got {value!r}")
+        if self.max_depth is not None and (not isinstance(self.max_depth, int) or self.max_depth <= 0):
+            raise ValueError(f"TreeConfig.max_depth must be a positive integer or None, got {self.max_depth!r}")
         if not (self.ngram_weight >= 0 and math.isfinite(self.ngram_weight)):
             raise ValueError(f"TreeConfig.ngram_weight must be a finite number >= 0, got {self.ngram_weight!r}")
 

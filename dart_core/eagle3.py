@@ -10,7 +10,7 @@ Where a DART head predicts D+1 positions in one forward (mask rows), this drafte
   the cached real rows, the rows of its own ancestors and itself; it is never cached.
 
 `draft_candidates` + `select_draft_tree` build an EAGLE-2/3 dynamic tree from that (`TreeConfig.topk` = branching
-and beam per level, `TreeConfig.remain_total` = draft nodes kept, D+1 levels); the result is a `DraftTree` that the
+and beam per level, `TreeConfig.remain_total` = draft nodes kept, `TreeConfig.max_depth` levels, default D+1); the result is a `DraftTree` that the
 same verification as DART's consumes. Training (`dart_train.loss.eagle3_training_forward`) unrolls the same D+1
 steps with the teacher's tokens.
 """
@@ -132,14 +132,15 @@ class Eagle3Head(DartHead):
     # ---- drafting a tree (batch size 1) ---------------------------------------------------------------------
     @torch.no_grad()
     def draft_candidates(self, aux_hidden: torch.Tensor, shifted_ids: torch.Tensor, cache: DartHeadCache,
-                         topk: int) -> "DraftCandidates":
-        """Run the D+1 draft levels for one sequence (B=1) and return every expanded candidate.
+                         topk: int, levels: Optional[int] = None) -> "DraftCandidates":
+        """Run `levels` (default and at most D+1) draft levels for one sequence (B=1); every expanded candidate.
 
         Level 1: the top-`topk` tokens of the last real row. Level l > 1: each of the `topk` best nodes of level l-1
         (the beam, by cumulative log-probability) gets one chain row and contributes its top-`topk` children.
         """
         if shifted_ids.shape[0] != 1:
             raise ValueError(f"Eagle3Head drafts one sequence at a time, got batch size {shifted_ids.shape[0]}")
+        levels = self.num_levels if levels is None else min(int(levels), self.num_levels)
         logits, hidden = self(aux_hidden, shifted_ids, cache)  # [1, Vd], [1, H]
         device = logits.device
         k = min(int(topk), self.config.draft_vocab_size)
@@ -152,11 +153,11 @@ class Eagle3Head(DartHead):
         # chain rows go into the cache's scratch space past the real rows (never committed: the next append
         # overwrites them), so no level copies the context
         filled = int(cache.lengths[0])
-        cache.reserve(filled + (self.num_levels - 1) * k)
+        cache.reserve(filled + (levels - 1) * k)
         visible = torch.ones(k, filled, dtype=torch.bool, device=device)  # [k, S] per beam node
         base = filled - 1  # position of the last real row
         pool_size = k
-        for level in range(2, self.num_levels + 1):
+        for level in range(2, levels + 1):
             positions = torch.full((1, k), base + level - 1, dtype=torch.long, device=device)
             q, new_k, new_v = self._chain_qkv(beam_tokens[None], beam_hidden[None], positions)
             cache.keys[:, :, filled: filled + k], cache.values[:, :, filled: filled + k] = new_k, new_v
@@ -171,7 +172,7 @@ class Eagle3Head(DartHead):
             parents.append(beam.repeat_interleave(k))
             scores.append(cum)
             depths.append(torch.full((k * k,), level, dtype=torch.long, device=device))
-            if level == self.num_levels:
+            if level == levels:
                 break
             # next beam: the best children; each sees its parent's context plus the parent's own row
             best = cum.topk(k).indices  # [k] indices into this level's k*k children

@@ -35,12 +35,18 @@ from typing import Optional, Sequence
 
 import torch
 
+from dart_core import TreeConfig
+
 METHODS = ("plain", "prompt_lookup", "dart_tree", "dart_chain", "eagle3")
 PROMPT_SETS = ("mt_bench", "humaneval", "gsm8k")
 PROMPT_LOOKUP_TOKENS = 10
 # the distillation (dart_train.prompts.mixed_prompts, seed 0) reaches the end of its shuffled GSM8K list last; the
 # benchmark's GSM8K slice is taken from that end, so a head trained on a prefix of the order has not seen it
 GSM8K_SHUFFLE_SEED = 0
+# EAGLE3-style drafter searches the bench calibrates (TreeConfig topk, max_depth): its drafting cost grows with both,
+# so the best setting depends on the machine like DART's node count does (EAGLE-2's GPU default is topk 10, depth 7)
+EAGLE3_SEARCHES = ({"topk": 1, "max_depth": 3}, {"topk": 2, "max_depth": 3}, {"topk": 4, "max_depth": 3},
+                   {"topk": 1, "max_depth": 7}, {"topk": 4, "max_depth": 7}, {"topk": 10, "max_depth": 7})
 
 
 # ---- prompts ------------------------------------------------------------------------------------------------------
@@ -149,6 +155,30 @@ def run_once(model, meter: TargetMeter, ids: torch.Tensor, method: str, drafters
                prefill_s=times[0] if times else 0.0, target_s=sum(times[1:]),
                draft_s=stats.head_time if stats is not None else 0.0,
                tree_s=stats.tree_time if stats is not None else 0.0, output=out[0, ids.shape[1]:].cpu())
+
+
+# ---- tree settings per drafter --------------------------------------------------------------------------------------
+def calibrated_tree(model, tokenizer, drafter, searches: Sequence[dict] = ({},), refresh: bool = False,
+                    progress: Optional[bool] = True) -> tuple[TreeConfig, list[dict]]:
+    """The fastest tree settings for `drafter` on this machine: for each search setting (TreeConfig overrides, e.g.
+    {"topk": 2, "max_depth": 3}) the calibrated node count (`dart_hf.calibrate`, cached per setting), then the
+    setting with the best expected speedup. Returns (TreeConfig, one row per setting)."""
+    from dart_hf.calibrate import base_tree_config, cached_calibration, run_calibration, save_calibration
+
+    base = base_tree_config(model, drafter)
+    rows, best = [], None
+    for search in searches:
+        drafter.tree_config = dataclasses.replace(base, **search)
+        result = None if refresh else cached_calibration(model, drafter)
+        if result is None:
+            result = run_calibration(model, tokenizer, drafter, progress=progress)
+            save_calibration(result)
+        rows.append({**search, "remain_total": result.remain_total, "expected_speedup": result.expected_speedup,
+                     "head_ms": result.head_ms, "tree_ms": result.tree_ms})
+        if best is None or result.expected_speedup > best.expected_speedup:
+            best = result
+    drafter.tree_config = best.to_tree_config()
+    return drafter.tree_config, rows
 
 
 # ---- the whole benchmark ------------------------------------------------------------------------------------------

@@ -55,6 +55,7 @@ class DartCandidateGenerator(CandidateGenerator):
         aux = tapped_hidden_states(model_outputs, self.plan.layer_ids)[:, :new_rows]
         t0 = time.perf_counter()
         head_logits = self.head(aux, input_ids[:, self.rows + 1 : cur], cache=self.head_cache)[0]  # [D+1, Vd]
+        head_logits = head_logits[: self.tree_config.max_depth]
         t1 = time.perf_counter()
         self.rows = cur - 1
         tokens, probs = topk_draft_tokens(head_logits, self.tree_config.topk, self.head.d2t)

@@ -88,7 +88,8 @@ def dart_decoding(model, input_ids: torch.LongTensor, logits_processor, stopping
 
     Output is exactly what `generate()` returns without DART (greedy: token for token; sampling: same distribution).
     An `Eagle3Head` (the EAGLE3-style baseline) drafts its tree autoregressively instead (`dart_core.eagle3`), with
-    `topk` as its branching and `remain_total` as its node count; `dart_ngram` does not apply to it.
+    `topk` as its branching, `max_depth` as its number of levels and `remain_total` as its node count; `dart_ngram`
+    does not apply to it.
     `dart_ngram` overrides `dart_head.ngram`; `dart_tree_config` overrides `dart_head.tree_config` (default: the
     reference settings with the target's EOS). Statistics of the call land in `model.dart_stats` (`DartStats`).
     """
@@ -147,11 +148,12 @@ def dart_decoding(model, input_ids: torch.LongTensor, logits_processor, stopping
         # draft: one head forward over the new real rows (+ mask rows), then the tree search
         t0 = time.perf_counter()
         if isinstance(head, Eagle3Head):  # the baseline: D+1 autoregressive levels, then the top nodes
-            candidates = head.draft_candidates(aux_rows, head_input_ids, head_cache, tree_config.topk)
+            candidates = head.draft_candidates(aux_rows, head_input_ids, head_cache, tree_config.topk,
+                                               tree_config.max_depth)
             t1 = time.perf_counter()
             tree = select_draft_tree(candidates, sequence[0, -1], tree_config.remain_total)
         else:
-            head_logits = head(aux_rows, head_input_ids, cache=head_cache)[0]  # [D+1, Vd]
+            head_logits = head(aux_rows, head_input_ids, cache=head_cache)[0, : tree_config.max_depth]  # [<=D+1, Vd]
             t1 = time.perf_counter()
             cand_tokens, cand_probs = topk_draft_tokens(head_logits, tree_config.topk, head.d2t)
             tree = build_draft_tree(cand_tokens, cand_probs, sequence[0, -context_len:], ngram, tree_config)

@@ -133,3 +133,34 @@ def test_gpu_projection_script_runs_on_cpu_with_small_shapes(tmp_path, capsys):
     assert "| nodes | tau |" in capsys.readouterr().out
     with pytest.raises(ValueError, match="NODES:TAU"):
         project_gpu.parse_tau(["60"])
+
+
+def test_calibrated_tree_keeps_the_fastest_search(monkeypatch):
+    import dataclasses
+    import importlib
+
+    from dart_core import TreeConfig
+    from dart_hf.bench import calibrated_tree
+
+    expected = {(1, 3): 0.9, (4, 3): 1.2, (10, 7): 0.7}  # (topk, max_depth) -> expected speedup
+
+    class Fake:
+        def __init__(self, tree):
+            self.tree = dataclasses.replace(tree, remain_total=5)
+            self.remain_total, self.head_ms, self.tree_ms = 5, 1.0, 0.5
+            self.expected_speedup = expected[(tree.topk, tree.max_depth)]
+
+        def to_tree_config(self):
+            return self.tree
+
+    saved = []
+    cal = importlib.import_module("dart_hf.calibrate")  # the module (the package attribute is the function)
+    monkeypatch.setattr(cal, "cached_calibration", lambda model, head: None)
+    monkeypatch.setattr(cal, "run_calibration", lambda model, tok, head, progress=None: Fake(head.tree_config))
+    monkeypatch.setattr(cal, "save_calibration", saved.append)
+    model = tiny_target()
+    drafter = Eagle3Head.from_dart_head(random_head(model))
+    searches = [{"topk": t, "max_depth": d} for t, d in expected]
+    tree, rows = calibrated_tree(model, None, drafter, searches)
+    assert tree == TreeConfig(topk=4, max_depth=3, remain_total=5) == drafter.tree_config
+    assert [r["expected_speedup"] for r in rows] == [0.9, 1.2, 0.7] and len(saved) == 3

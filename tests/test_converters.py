@@ -533,7 +533,7 @@ def test_convert_sglang_from_our_dir(tmp_path, inputs):
     assert (cfg["draft_length"], cfg["draft_vocab_size"], cfg["target_hidden_size"]) == (3, 20, 16)
     assert cfg["dart_config"] == {"topk": 25, "beam_width": 20, "remain_total": 60, "ngram_weight": 0.5,
                                   "eos_token_id": 7, "level_weight_exponent": 0.7, "logit_weight_decay": 0.9,
-                                  "ngram_file": "ngram.safetensors"}
+                                  "max_depth": None, "ngram_file": "ngram.safetensors"}
     assert "dart_tree" not in cfg and "dart_ngram_file" not in cfg
     assert (sgl / "ngram.safetensors").read_bytes() == (ours / "ngram.safetensors").read_bytes()
     loaded = DartHead.from_pretrained(sgl)  # our own loader reads the SGLang directory too

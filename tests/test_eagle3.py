@@ -108,6 +108,9 @@ def test_draft_candidates_equal_a_path_by_path_rederivation(seed, topk):
         cands = head.draft_candidates(aux, ids, head.new_cache(1), topk)
         expected = _candidates_by_hand(head, aux, ids, topk)
     assert cands.tokens.shape[0] == topk + (head.num_levels - 1) * topk * topk == len(expected)
+    shallow = head.draft_candidates(aux, ids, head.new_cache(1), topk, levels=2)
+    assert shallow.tokens.shape[0] == topk + topk * topk and int(shallow.depths.max()) == 2
+    assert torch.equal(shallow.tokens, cands.tokens[: topk + topk * topk])  # the same first two levels
     # rebuild each candidate's draft-id path from the parent pointers (target ids -> draft ids: d2t = i)
     paths = []
     for i in range(cands.tokens.shape[0]):
@@ -139,8 +142,8 @@ def test_select_draft_tree_keeps_the_best_nodes_parents_first():
     assert small.tokens.tolist() == [5, 10, 20] and small.parents.tolist() == [-1, 0, 1]
 
 
-@pytest.mark.parametrize("draft_vocab,topk,nodes", [(None, 4, 12), (48, 3, 5), (None, 1, 1)])
-def test_greedy_with_the_eagle3_drafter_equals_plain_greedy(draft_vocab, topk, nodes):
+@pytest.mark.parametrize("draft_vocab,topk,nodes,depth", [(None, 4, 12, None), (48, 3, 5, 2), (None, 1, 1, None)])
+def test_greedy_with_the_eagle3_drafter_equals_plain_greedy(draft_vocab, topk, nodes, depth):
     from dart_core import TreeConfig
 
     target = dart_hf.enable(tiny_target(seed=4))
@@ -148,7 +151,8 @@ def test_greedy_with_the_eagle3_drafter_equals_plain_greedy(draft_vocab, topk, n
     prompt = torch.randint(0, 96, (1, 7), generator=torch.Generator().manual_seed(1))
     kw = dict(attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=40)
     plain = target.generate(prompt, **kw)
-    spec = target.generate(prompt, dart_head=head, dart_tree_config=TreeConfig(topk=topk, remain_total=nodes), **kw)
+    spec = target.generate(prompt, dart_head=head,
+                           dart_tree_config=TreeConfig(topk=topk, remain_total=nodes, max_depth=depth), **kw)
     assert torch.equal(plain, spec)
     stats = target.dart_stats
     assert stats.new_tokens == 40 and stats.tree_nodes <= nodes + 1 and stats.head_time > 0

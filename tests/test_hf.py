@@ -28,6 +28,20 @@ def test_greedy_identical_to_plain_generate(arch, attn):
         assert model.dart_stats.tau > 2.0  # whole blocks are accepted from the tree
 
 
+def test_max_depth_limits_the_tree_levels():
+    from dart_core import TreeConfig
+
+    model = dart_hf.enable(tiny_target())
+    plain = model.generate(PROMPTS[0], max_new_tokens=24, do_sample=False)
+    good = oracle_head(model, plain[0])  # D=4: whole 4-token blocks would be accepted
+    out = model.generate(PROMPTS[0], max_new_tokens=24, do_sample=False, dart_head=good,
+                         dart_tree_config=TreeConfig(max_depth=2, remain_total=10))
+    assert torch.equal(out, plain)
+    assert max(model.dart_stats.accepted_lengths) == 2  # levels 1 and 2 only
+    with pytest.raises(ValueError, match="max_depth must be a positive integer"):
+        TreeConfig(max_depth=0)
+
+
 def test_draft_vocab_smaller_than_target_vocab():
     model = dart_hf.enable(tiny_target())
     plain = model.generate(PROMPTS[0], max_new_tokens=16, do_sample=False)
