@@ -28,6 +28,12 @@ def read_json_object(file: str) -> dict:
     return raw
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 @contextlib.contextmanager
 def atomic_write(path: str, mode: str = "wb") -> Iterator:
     """Open a temp file beside `path`; on success it replaces `path`, on error it is removed."""
@@ -38,6 +44,7 @@ def atomic_write(path: str, mode: str = "wb") -> Iterator:
             yield fh
             fh.flush()
             os.fsync(fh.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600; give the file the permissions open() would
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):

@@ -164,3 +164,17 @@ def test_calibrated_tree_keeps_the_fastest_search(monkeypatch):
     tree, rows = calibrated_tree(model, None, drafter, searches)
     assert tree == TreeConfig(topk=4, max_depth=3, remain_total=5) == drafter.tree_config
     assert [r["expected_speedup"] for r in rows] == [0.9, 1.2, 0.7] and len(saved) == 3
+
+
+def test_atomic_write_gives_files_the_usual_permissions(tmp_path):
+    import os
+
+    from dart_core.io import atomic_write
+
+    old = os.umask(0o022)
+    try:
+        with atomic_write(str(tmp_path / "out.txt"), "w") as fh:
+            fh.write("x")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "out.txt").stat().st_mode & 0o777 == 0o644  # mkstemp alone would leave 0600
