@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 
 from dart_core.config import DartConfig, TreeConfig
-from dart_core.head import DartHead, DartHeadCache, row_positions, step_attention_mask
+from dart_core.head import EAGLE3_ARCHITECTURE, DartHead, DartHeadCache, additive_mask
 from dart_core.tree import DraftTree
 
 
@@ -33,7 +33,7 @@ class Eagle3Head(DartHead):
     `head(aux, shifted_ids, cache)` returns (logits [B, Vd], hidden [B, H]) of the last real row.
     """
 
-    ARCHITECTURE = "Eagle3Head"
+    ARCHITECTURE = EAGLE3_ARCHITECTURE
 
     def __init__(self, config: DartConfig) -> None:
         super().__init__(config)
@@ -64,32 +64,16 @@ class Eagle3Head(DartHead):
     # ---- step 0: real rows ----------------------------------------------------------------------------------
     def real_rows(self, aux_hidden: torch.Tensor, shifted_ids: torch.Tensor, cache: Optional[DartHeadCache] = None,
                   lengths: Optional[torch.Tensor] = None):
-        """aux [B, T, 3Ht], ids [B, T] -> (h [B, T, H] layer outputs, k/v [B, kv, T, hd]) of every real row."""
-        b, t = self._check_inputs(aux_hidden, shifted_ids, cache, lengths)
-        device = aux_hidden.device
-        if lengths is None:
-            lengths = torch.full((b,), t, dtype=torch.long, device=device)
-        past = cache.lengths if cache is not None else torch.zeros(b, dtype=torch.long, device=device)
-        dtype = self.fc.weight.dtype
-        layer = self.midlayer
-        s = self.fc(aux_hidden.to(dtype))  # [B, T, H]
-        x = torch.cat((layer.input_layernorm(self._embed(shifted_ids).to(dtype)), layer.hidden_norm(s)), dim=-1)
-        q, k, v = layer.self_attn.qkv(x, row_positions(past, lengths, t, 0), self.inv_freq)
-        span = cache.max_length() if cache is not None else 0
-        keys = torch.cat((cache.keys[:, :, :span], k), dim=2) if span else k
-        values = torch.cat((cache.values[:, :, :span], v), dim=2) if span else v
-        h = s + layer.self_attn.attend(q, keys, values, step_attention_mask(past, lengths, span, t, 0, dtype))
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return h, k, v
+        """aux [B, T, 3Ht], ids [B, T] -> (h [B, T, H] layer outputs, k/v [B, kv, T, hd], lengths [B]) of every
+        real row (not cached here)."""
+        h, k, v, lengths = self._attend_rows(aux_hidden, shifted_ids, cache, lengths, 0)
+        return h + self.midlayer.mlp(self.midlayer.post_attention_layernorm(h)), k, v, lengths
 
     def forward(self, aux_hidden: torch.Tensor, shifted_ids: torch.Tensor, cache: Optional[DartHeadCache] = None,
                 lengths: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Step 0: -> (logits [B, Vd], hidden [B, H]) of each batch row's last real row; real rows join `cache`."""
-        h, k, v = self.real_rows(aux_hidden, shifted_ids, cache, lengths)
-        b, t = shifted_ids.shape
-        if lengths is None:
-            lengths = torch.full((b,), t, dtype=torch.long, device=h.device)
-        last = h[torch.arange(b, device=h.device), lengths - 1]  # [B, H]
+        h, k, v, lengths = self.real_rows(aux_hidden, shifted_ids, cache, lengths)
+        last = h[torch.arange(h.shape[0], device=h.device), lengths - 1]  # [B, H]
         if cache is not None:
             cache.append(k, v, lengths)
         return self.logits(last), last
@@ -124,9 +108,7 @@ class Eagle3Head(DartHead):
                       see: torch.Tensor) -> torch.Tensor:
         """Attention over keys/values [B, kv, S, hd] where see [B, K, S] (residual: the fed hidden), then the MLP."""
         layer = self.midlayer
-        dtype = hidden.dtype
-        mask = torch.where(see, torch.zeros((), dtype=dtype, device=see.device), torch.finfo(dtype).min)[:, None]
-        h = hidden + layer.self_attn.attend(q, keys, values, mask)
+        h = hidden + layer.self_attn.attend(q, keys, values, additive_mask(see, hidden.dtype))
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
     # ---- drafting a tree (batch size 1) ---------------------------------------------------------------------

@@ -18,6 +18,8 @@ NGRAM_NAME = "ngram.safetensors"
 # keys of this project's config.json beyond the official ones
 TREE_CONFIG_KEY = "dart_tree"
 NGRAM_FILE_KEY = "dart_ngram_file"
+# `architectures` entry of an EAGLE3-style drafter's directory (dart_core.eagle3.Eagle3Head)
+EAGLE3_ARCHITECTURE = "Eagle3Head"
 # the block an SGLang-flavour head directory keeps its tree settings (and "ngram_file") in
 SGLANG_CONFIG_KEY = "dart_config"
 # present in some checkpoints; the head uses the target's embedding table instead
@@ -254,21 +256,42 @@ class DartHead(nn.Module):
         `lengths` [B] (default T): how many of the T rows are real for each batch row (rows past it are padding).
         With a `cache`, the real rows attend to (and are appended to) the cached rows; the mask rows never are.
         """
+        d = self.config.draft_length
+        h, k, v, lengths = self._attend_rows(aux_hidden, shifted_ids, cache, lengths, d)  # h [B, T+D, H]
+        b, t = shifted_ids.shape
+        layer = self.midlayer
+
+        # keep the last real row and the D mask rows
+        last_real = (lengths - 1).clamp(min=0)
+        idx = torch.cat((last_real[:, None], t + torch.arange(d, device=h.device).expand(b, d)), dim=1)  # [B, D+1]
+        h = torch.gather(h, 1, idx[..., None].expand(b, d + 1, h.shape[-1]))
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        if cache is not None:
+            cache.append(k[:, :, :t], v[:, :, :t], lengths)
+        # the reference applies the final norm in forward and again in compute_logits
+        return self.lm_head(self.norm(self.norm(h)))
+
+    def _attend_rows(self, aux_hidden: torch.Tensor, shifted_ids: torch.Tensor, cache: Optional[DartHeadCache],
+                     lengths: Optional[torch.Tensor], num_mask_rows: int):
+        """Inputs checked, then the layer's attention over the T real rows and `num_mask_rows` mask rows ->
+        (h [B, T+M, H] after the attention residual, k/v [B, kv, T+M, hd], lengths [B]). Nothing is cached here."""
         b, t = self._check_inputs(aux_hidden, shifted_ids, cache, lengths)
         device = aux_hidden.device
         if lengths is None:
             lengths = torch.full((b,), t, dtype=torch.long, device=device)
         past = cache.lengths if cache is not None else torch.zeros(b, dtype=torch.long, device=device)
-        d = self.config.draft_length
+        d = num_mask_rows
         dtype = self.fc.weight.dtype
         layer = self.midlayer
 
         s = self.fc(aux_hidden.to(dtype))  # [B, T, H]
         e = self._embed(shifted_ids).to(dtype)  # [B, T, H]
         x = torch.cat((layer.input_layernorm(e), layer.hidden_norm(s)), dim=-1)  # [B, T, 2H]
-        mask_rows = layer.mask_rep.to(dtype).expand(b, d, -1)
-        x = torch.cat((x, mask_rows), dim=1)  # [B, T+D, 2H]
-        residual = torch.cat((s, mask_rows[..., : self.config.hidden_size]), dim=1)  # [B, T+D, H]
+        residual = s
+        if d:
+            mask_rows = layer.mask_rep.to(dtype).expand(b, d, -1)
+            x = torch.cat((x, mask_rows), dim=1)  # [B, T+D, 2H]
+            residual = torch.cat((s, mask_rows[..., : self.config.hidden_size]), dim=1)  # [B, T+D, H]
 
         positions = row_positions(past, lengths, t, d)  # [B, T+D]
         q, k, v = layer.self_attn.qkv(x, positions, self.inv_freq)
@@ -279,17 +302,7 @@ class DartHead(nn.Module):
         else:
             keys, values = k, v
         mask = step_attention_mask(past, lengths, span, t, d, dtype)  # [B, 1, T+D, span+T+D]
-        h = residual + layer.self_attn.attend(q, keys, values, mask)  # [B, T+D, H]
-
-        # keep the last real row and the D mask rows
-        last_real = (lengths - 1).clamp(min=0)
-        idx = torch.cat((last_real[:, None], t + torch.arange(d, device=device).expand(b, d)), dim=1)  # [B, D+1]
-        h = torch.gather(h, 1, idx[..., None].expand(b, d + 1, h.shape[-1]))
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
-        if cache is not None:
-            cache.append(k[:, :, :t], v[:, :, :t], lengths)
-        # the reference applies the final norm in forward and again in compute_logits
-        return self.lm_head(self.norm(self.norm(h)))
+        return residual + layer.self_attn.attend(q, keys, values, mask), k, v, lengths
 
     def _check_inputs(self, aux, ids, cache, lengths) -> tuple[int, int]:
         cfg = self.config
@@ -356,7 +369,7 @@ class DartHead(nn.Module):
         save_safetensors_atomic(state, os.path.join(path, WEIGHTS_NAME), metadata={"format": "pt"})
         config = self.config.to_dict()
         saved = config.get("architectures") or []
-        if self.ARCHITECTURE != DartHead.ARCHITECTURE or not saved or "Eagle3Head" in saved:
+        if self.ARCHITECTURE != DartHead.ARCHITECTURE or not saved or EAGLE3_ARCHITECTURE in saved:
             config["architectures"] = [self.ARCHITECTURE]  # keeps e.g. an official head's own name otherwise
         if self.tree_config is not None:
             config[TREE_CONFIG_KEY] = self.tree_config.to_dict()
@@ -372,7 +385,7 @@ class DartHead(nn.Module):
 def _check_architecture(cls: type, config: DartConfig, path: str) -> None:
     """Refuse to load a directory written by a head class with other weights (DART head vs EAGLE3-style drafter)."""
     saved = config.extra.get("architectures") or []
-    eagle3 = "Eagle3Head"
+    eagle3 = EAGLE3_ARCHITECTURE
     if cls.ARCHITECTURE == eagle3 and eagle3 not in saved:
         raise ValueError(f"{path} is not an EAGLE3-style drafter (architectures {saved}); load a DART head with "
                          f"dart_core.DartHead.from_pretrained")
@@ -413,8 +426,12 @@ def step_attention_mask(past: torch.Tensor, lengths: torch.Tensor, span: int, t:
     causal = cols_new[None, :] <= q[:, None]  # [T+D, T+D]
     see_new = causal[None] & real_col[:, None, :]  # [B, T+D, T+D]
     see_cache = (torch.arange(span, device=device)[None, :] < past[:, None])[:, None, :].expand(-1, t + d, -1)
-    see = torch.cat((see_cache, see_new), dim=-1)
-    zero = torch.zeros((), dtype=dtype, device=device)
+    return additive_mask(torch.cat((see_cache, see_new), dim=-1), dtype)
+
+
+def additive_mask(see: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """bool visibility [B, Q, S] -> additive float mask [B, 1, Q, S] (0 visible, finfo.min hidden)."""
+    zero = torch.zeros((), dtype=dtype, device=see.device)
     return torch.where(see, zero, torch.finfo(dtype).min)[:, None]
 
 

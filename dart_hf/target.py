@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 
 from dart_core import DartHead
-from dart_core.head import check_draft_vocab
+from dart_core.head import additive_mask, check_draft_vocab
 
 # attention implementations that accept an arbitrary 4D additive mask (a tree mask)
 TREE_ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
@@ -78,8 +78,7 @@ def tree_attention_mask(ancestors: torch.Tensor, past_len: int, dtype: torch.dty
     """Additive mask [1, 1, N, past+N]: every node sees the whole past and its own ancestors (and itself)."""
     n = ancestors.shape[0]
     see = torch.cat((torch.ones(n, past_len, dtype=torch.bool, device=ancestors.device), ancestors), dim=1)
-    zero = torch.zeros((), dtype=dtype, device=ancestors.device)
-    return torch.where(see, zero, torch.finfo(dtype).min)[None, None]
+    return additive_mask(see[None], dtype)
 
 
 def keep_accepted_path(cache, past_len: int, path: torch.Tensor) -> None:

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from dart_core import DartHead, Eagle3Head
+from dart_core.head import additive_mask
 
 
 # ---- the training mask and positions --------------------------------------------------------------------------------
@@ -67,12 +68,6 @@ def training_visibility(anchors: torch.Tensor, num_real: int, draft_length: int)
     same_block = (rows[:, None] // d) == (rows[None, :] // d)
     see[:, n:, n:] = same_block & (rows[None, :] <= rows[:, None])
     return see
-
-
-def additive_mask(see: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """bool visibility [B, S, S] -> additive float mask [B, 1, S, S] (0 visible, finfo.min hidden)."""
-    zero = torch.zeros((), dtype=dtype, device=see.device)
-    return torch.where(see, zero, torch.finfo(dtype).min)[:, None]
 
 
 # ---- the training forward -------------------------------------------------------------------------------------------
@@ -123,7 +118,7 @@ def eagle3_training_forward(head: Eagle3Head, aux: torch.Tensor, shifted_ids: to
         raise RuntimeError("the head has no input embeddings: call head.set_input_embeddings(...) first")
     b, n = shifted_ids.shape
     a = anchors.shape[1]
-    h_real, k_real, v_real = head.real_rows(aux, shifted_ids)  # [B, N, H], [B, kv, N, hd]
+    h_real, k_real, v_real, _ = head.real_rows(aux, shifted_ids)  # [B, N, H], [B, kv, N, hd]
     rows = torch.arange(b, device=anchors.device)[:, None]
     see_real = torch.arange(n, device=anchors.device)[None, None, :] <= anchors[:, :, None]  # [B, A, N]
     same_anchor = torch.eye(a, dtype=torch.bool, device=anchors.device).expand(b, a, a)

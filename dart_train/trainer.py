@@ -50,8 +50,8 @@ SAVE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": t
 # what a run trains: a DART head, or the EAGLE3-style baseline drafter (dart_core.eagle3) on the same data and loss
 HEAD_CLASSES = {"dart": DartHead, "eagle3": Eagle3Head}
 # fields that must match when resuming (they decide shapes, data order and the held-out split)
-RESUME_FIXED = ("mode", "target", "data", "draft_length", "draft_vocab_size", "intermediate_size", "seq_len", "batch_size",
-                "anchors_per_seq", "seed", "heldout_fraction", "init_from")
+RESUME_FIXED = ("mode", "target", "data", "draft_length", "draft_vocab_size", "intermediate_size", "seq_len",
+                "batch_size", "anchors_per_seq", "seed", "heldout_fraction", "init_from")
 
 
 @dataclasses.dataclass
