@@ -238,6 +238,10 @@ def sglang_config(config: DartConfig, taps: list[int], tree: TreeConfig, has_ngr
     if bad:
         raise ValueError(f"taps {taps} include hidden_states index 0 (the embedding output), which SGLang's "
                          "EAGLE3 capture (explicit id i -> hidden_states[i + 1]) cannot express")
+    if len(set(taps)) != len(taps):
+        raise ValueError(f"taps {taps} repeat a layer; SGLang captures each layer once, so the head would get fewer "
+                         "hidden states than it was trained on (targets with fewer than 8 layers give repeated "
+                         "default taps)")
     out = {k: v for k, v in config.to_dict().items() if k not in _LAYOUT_KEYS and k != "dtype"}
     out.update({
         "architectures": [SGLANG_ARCHITECTURE],

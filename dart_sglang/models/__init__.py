@@ -1,0 +1,1 @@
+"""SGLang model classes of the DART plugin (registered with `ModelRegistry.register("dart_sglang.models")`)."""

@@ -1,0 +1,86 @@
+"""DART serving settings read from an SGLang-flavour head directory (`dart-spec convert sglang`), and the SGLang
+speculative arguments they imply. Pure Python: no SGLang import."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Optional
+
+from dart_core.config import CONFIG_NAME, TreeConfig
+from dart_core.head import SGLANG_CONFIG_KEY
+from dart_core.io import read_json_object
+from dart_converters.heads import SGLANG_ARCHITECTURE, SGLANG_NGRAM_KEY
+
+
+@dataclasses.dataclass(frozen=True)
+class DartServeSettings:
+    """What the DART worker needs from the head directory, and the EAGLE tree ABI sizes it implies.
+
+    num_levels        draft levels (= tree depth = `--speculative-num-steps`): D+1, or the tree's max_depth
+    topk              children rank range of the EAGLE encoding (= `--speculative-eagle-topk`)
+    num_draft_tokens  nodes per tree including the root (= `--speculative-num-draft-tokens`)
+    """
+
+    tree: TreeConfig
+    draft_length: int
+    num_levels: int
+    topk: int
+    num_draft_tokens: int
+    ngram_path: Optional[str]
+
+    @classmethod
+    def from_draft_dir(cls, path: str | os.PathLike) -> "DartServeSettings":
+        path = os.fspath(path)
+        file = os.path.join(path, CONFIG_NAME)
+        if not os.path.isfile(file):
+            raise FileNotFoundError(f"DART draft directory has no {CONFIG_NAME}: {path}")
+        raw = read_json_object(file)
+        if SGLANG_ARCHITECTURE not in (raw.get("architectures") or []):
+            raise ValueError(f"{file}: architectures {raw.get('architectures')} is not [{SGLANG_ARCHITECTURE!r}]; "
+                             "convert the head first: dart-spec convert sglang HEAD_DIR OUT_DIR --target TARGET_DIR")
+        if not isinstance(raw.get(SGLANG_CONFIG_KEY), dict):
+            raise ValueError(f"{file} has no {SGLANG_CONFIG_KEY!r} block (tree settings); convert the head with "
+                             "dart-spec convert sglang")
+        draft_length = raw.get("draft_length")
+        if isinstance(draft_length, bool) or not isinstance(draft_length, int) or draft_length < 1:
+            raise ValueError(f"{file}: draft_length must be a positive integer, got {draft_length!r}")
+        block = dict(raw[SGLANG_CONFIG_KEY])
+        ngram_file = block.pop(SGLANG_NGRAM_KEY, None)
+        tree = TreeConfig.from_dict(block)
+        ngram_path = None
+        if ngram_file is not None:
+            ngram_path = os.path.join(path, ngram_file)
+            if not os.path.isfile(ngram_path):
+                raise FileNotFoundError(f"{file} names n-gram file {ngram_file!r} but {ngram_path} does not exist")
+        return cls.for_tree(tree, draft_length, ngram_path)
+
+    @classmethod
+    def for_tree(cls, tree: TreeConfig, draft_length: int, ngram_path: Optional[str] = None) -> "DartServeSettings":
+        levels = min(draft_length + 1, tree.max_depth or draft_length + 1)
+        nodes = tree_node_count(tree, levels)
+        return cls(tree, draft_length, levels, eagle_topk(tree, levels, nodes), nodes, ngram_path)
+
+    def server_args(self) -> dict:
+        """The `--speculative-*` values SGLang must run with for these trees."""
+        return {"speculative_num_steps": self.num_levels, "speculative_eagle_topk": self.topk,
+                "speculative_num_draft_tokens": self.num_draft_tokens}
+
+
+def tree_node_count(tree: TreeConfig, levels: int) -> int:
+    """Nodes (root included) of every tree `dart_core.build_draft_trees` builds: min(remain_total, pool) + 1."""
+    pool, beams = 0, 1
+    for level in range(levels):
+        pool += beams * tree.topk
+        beams = min(tree.beam_width, beams * tree.topk)
+    return min(tree.remain_total, pool) + 1
+
+
+def eagle_topk(tree: TreeConfig, levels: int, nodes: int) -> int:
+    """Smallest child-rank range K for which every tree fits EAGLE's ABI: a node has at most min(topk, nodes - 1)
+    children, and the internal non-root nodes (at most nodes - 2) need K * (levels - 1) parent rows."""
+    children = min(tree.topk, nodes - 1)
+    if levels <= 1:
+        return max(children, 1)
+    return max(children, math.ceil(max(nodes - 2, 0) / (levels - 1)), 1)

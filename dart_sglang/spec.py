@@ -1,0 +1,80 @@
+"""The `DART` speculative algorithm as SGLang sees it: capability predicates and server-argument resolution."""
+
+from __future__ import annotations
+
+from sglang.srt.arg_groups.overrides import declare_resolution
+from sglang.srt.arg_groups.model_override_base import resolving_view
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+from sglang.srt.speculative.spec_registry import CustomSpecAlgo
+
+from .settings import DartServeSettings
+
+ALGORITHM = "DART"
+
+
+class DartSpecAlgo(CustomSpecAlgo):
+    """DART is EAGLE3-shaped for SGLang: the target captures EAGLE3's aux hidden states, the draft model loads like
+    an EAGLE3 head (shared embedding, `d2t`), and trees are verified by EAGLE's v2 verify. Predicates SGLang adds
+    later fall back to EAGLE3's answer."""
+
+    def is_eagle(self) -> bool:
+        return True
+
+    def is_eagle3(self) -> bool:
+        return True
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(SpeculativeAlgorithm.EAGLE3, name)
+
+    def create_future_map(self, *args, **kwargs):
+        return SpeculativeAlgorithm.create_future_map(self, *args, **kwargs)
+
+    def need_topk(self) -> bool:
+        return True
+
+    def carries_draft_hidden_states(self) -> bool:
+        return False
+
+    def get_platform_worker_cls(self):
+        return None
+
+    def handle_server_args(self, server_args) -> None:
+        resolve_server_args(server_args)
+
+
+def resolve_server_args(server_args) -> DartServeSettings:
+    """Check the flags DART cannot serve with, then set the speculative sizes from the head's `dart_config`."""
+    from sglang.srt.arg_groups.speculative_hook import _handle_eagle_family
+
+    cfg = resolving_view(server_args)
+    if not cfg.speculative_draft_model_path:
+        raise ValueError("--speculative-algorithm DART needs --speculative-draft-model-path HEAD_DIR (a head converted "
+                         "with `dart-spec convert sglang`)")
+    settings = DartServeSettings.from_draft_dir(cfg.speculative_draft_model_path)
+    unsupported = {
+        "--tp-size > 1": cfg.tp_size > 1,
+        "--pp-size > 1": cfg.pp_size > 1,
+        "--page-size > 1": (cfg.page_size or 1) > 1,
+        "--enable-dp-attention": bool(cfg.enable_dp_attention),
+        "--speculative-use-rejection-sampling (chain sampling; DART verifies trees)":
+            bool(cfg.speculative_use_rejection_sampling),
+        "--speculative-adaptive": bool(cfg.speculative_adaptive),
+        "--enable-multi-layer-eagle": bool(cfg.enable_multi_layer_eagle),
+        "overlap scheduling (pass --disable-overlap-schedule)":
+            not cfg.disable_overlap_schedule and cfg.device != "cpu",
+    }
+    bad = [flag for flag, on in unsupported.items() if on]
+    if bad:
+        raise ValueError(f"--speculative-algorithm DART does not support {', '.join(bad)}")
+    wanted = settings.server_args()
+    given = {k: getattr(cfg, k) for k in wanted if getattr(cfg, k) is not None}
+    clash = {k: (v, wanted[k]) for k, v in given.items() if v != wanted[k]}
+    if clash:
+        detail = "; ".join(f"--{k.replace('_', '-')} {v} but the head's trees need {w}" for k, (v, w) in clash.items())
+        raise ValueError(f"DART sizes its trees from {cfg.speculative_draft_model_path}/config.json (dart_config): "
+                         f"{detail}. Leave these flags out.")
+    declare_resolution(server_args, "dart_sglang", **wanted)
+    _handle_eagle_family(server_args)
+    return settings

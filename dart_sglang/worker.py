@@ -1,0 +1,209 @@
+"""The DART speculative worker on SGLang's EAGLE v2 machinery.
+
+Per decode round, for every request of the batch at once: the per-level top-k candidates carried in the batch's
+draft input -> `dart_core.build_draft_trees` (beam search + n-gram prior) -> EAGLE tree ABI -> SGLang's tree build,
+target verify and KV compaction (`EAGLEWorkerV2.verify`) -> one DART head pass per request over its newly accepted
+rows (written to the draft KV pool) plus D mask rows -> the next round's candidates. Prefill does the same over
+the prompt's rows. No multi-step draft decode, no draft attention backends, no draft CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from dart_core import NGramModel, build_draft_trees
+from dart_core.tree import topk_draft_tokens
+from sglang.srt.speculative import eagle_worker_v2 as eagle_v2
+from sglang.srt.speculative.eagle_info import EagleDraftInput
+from sglang.srt.speculative.eagle_utils import _eagle_prefill_tail_tokens, default_tree_mask_mode
+from sglang.srt.speculative.eagle_worker_common import build_eagle_verify_input
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+from .models.llama_dart import LlamaForCausalLMDart
+from .settings import DartServeSettings
+from .tree_abi import encode_eagle_trees
+
+logger = logging.getLogger(__name__)
+
+SAMPLING_REFUSED = ("DART: temperature > 0 needs SGLang's tree-sampling verify kernel, which this device ({device}) "
+                    "lacks (SGLang would silently verify greedily); send temperature 0, or serve on CUDA")
+
+
+def tree_sampling_available(device) -> bool:
+    """Whether SGLang's EAGLE verify samples (rather than forcing argmax) on this device."""
+    return torch.device(device).type == "cuda"
+
+
+def draft_contexts(histories: list[list[int]], roots: list[int], length: int) -> torch.Tensor:
+    """Each request's last `length` tokens ending with its tree root -> [B, length] int64, left-padded with -1.
+
+    `histories[b]` is the request's prompt + output so far; its last token is the root (SGLang appends the bonus
+    token to the output before the next draft)."""
+    rows = []
+    for history, root in zip(histories, roots):
+        if not history or history[-1] != root:
+            raise RuntimeError(f"DART worker: the request's last token {history[-1:]} is not the tree root {root}")
+        tail = history[-length:]
+        rows.append([-1] * (length - len(tail)) + tail)
+    return torch.tensor(rows, dtype=torch.long)
+
+
+class DartDraftWorker(eagle_v2.EagleDraftWorker):
+    """Loads the DART head (`LlamaForCausalLMDart`) as SGLang's draft model and drafts DART trees."""
+
+    def __init__(self, server_args, gpu_id, nccl_port, target_worker):
+        super().__init__(server_args, gpu_id, nccl_port, target_worker)
+        self.settings = DartServeSettings.from_draft_dir(server_args.speculative_draft_model_path)
+        model = self.draft_runner.model
+        if not isinstance(model, LlamaForCausalLMDart):
+            raise TypeError(f"the DART draft model loaded as {type(model).__name__}, not LlamaForCausalLMDart")
+        if model.draft_length != self.settings.draft_length:
+            raise ValueError(f"draft_length {model.draft_length} of the model != {self.settings.draft_length}")
+        self.ngram = NGramModel.load(self.settings.ngram_path) if self.settings.ngram_path else None
+        self.context_length = max(1, self.ngram.order - 1) if self.ngram is not None else 1
+        self.sampling_ok = tree_sampling_available(self.device)
+
+    # ---- no multi-step draft decode: no draft attention backends, no draft CUDA graphs -------------------------
+    def init_attention_backend(self):
+        self.draft_attn_backend = None
+        self.draft_extend_attn_backend = None
+        self.tree_mask_mode = default_tree_mask_mode()
+
+    def _capture_cuda_graphs(self):
+        self.cuda_graph_runner = None
+        self.cuda_graph_runner_for_draft_extend = None
+
+    # ---- the head -----------------------------------------------------------------------------------------------
+    @property
+    def _attn(self):
+        return self.draft_runner.model.layer.self_attn.attn
+
+    def _write_rows(self, aux: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor):
+        """Store the keys/values of real rows at their token slots in the draft KV pool."""
+        k, v = self.draft_runner.model.real_rows(aux, next_ids, positions)
+        self.draft_runner.token_to_kv_pool.set_kv_buffer(self._attn, slots, k, v)
+
+    def _level_logits(self, aux_last, next_id, length: int, pool_index: int) -> torch.Tensor:
+        """[D+1, Vd] logits of a request whose rows 0..length-1 are in the pool (the last one is aux_last/next_id)."""
+        pool = self.draft_runner.token_to_kv_pool
+        slots = self.req_to_token_pool.req_to_token[pool_index, :length].long()
+        layer_id = self._attn.layer_id
+        past_k = pool.get_key_buffer(layer_id)[slots]
+        past_v = pool.get_value_buffer(layer_id)[slots]
+        return self.draft_runner.model.draft_logits(aux_last, next_id, length - 1, past_k, past_v)
+
+    def _draft_input(self, logits: torch.Tensor, bonus_tokens: torch.Tensor) -> EagleDraftInput:
+        """Per-level logits [B, D+1, Vd] -> the draft input the next `draft` reads: topk_index/topk_p [B, L, K]."""
+        levels = self.settings.num_levels
+        ids, probs = topk_draft_tokens(logits[:, :levels].float(), self.settings.tree.topk)
+        hot = self.draft_runner.model.hot_token_id
+        if hot is not None:
+            ids = hot.to(ids.device)[ids]
+        b = logits.shape[0]
+        return EagleDraftInput(
+            topk_p=probs, topk_index=ids,
+            hidden_states=torch.zeros(b, self.draft_runner.model.config.hidden_size, device=logits.device,
+                                      dtype=logits.dtype),
+            bonus_tokens=bonus_tokens, num_tokens_per_req=1, num_tokens_for_logprob_per_req=1)
+
+    # ---- prefill: the prompt's rows -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def _draft_extend_for_prefill(self, batch, target_hidden_states, next_token_ids, mm_input_embeds=None,
+                                  kv_loc_plan=None):
+        if mm_input_embeds is not None:
+            raise NotImplementedError("DART does not support multimodal inputs")
+        if batch.forward_mode.is_idle():
+            return self._draft_input(torch.empty(0, self.settings.draft_length + 1, 1, device=self.device),
+                                     next_token_ids)
+        tails = _eagle_prefill_tail_tokens(batch, next_token_ids)
+        prefix_lens, extend_lens = list(batch.prefix_lens), list(batch.extend_lens)
+        seq_lens = batch.seq_lens.tolist()
+        logits, start = [], 0
+        for i, req in enumerate(batch.reqs):
+            if not self.sampling_ok and req.sampling_params.top_k != 1:
+                req.set_finish_with_abort(SAMPLING_REFUSED.format(device=self.device))
+            n = int(extend_lens[i])
+            rows = slice(start, start + n)
+            next_ids = torch.cat((batch.input_ids[rows][1:], tails[i].reshape(1))).long()
+            positions = int(prefix_lens[i]) + torch.arange(n, device=self.device)
+            self._write_rows(target_hidden_states[rows], next_ids, positions, batch.out_cache_loc[rows])
+            logits.append(self._level_logits(target_hidden_states[start + n - 1], next_ids[-1], int(seq_lens[i]),
+                                             int(batch.req_pool_indices[i])))
+            start += n
+        return self._draft_input(torch.stack(logits), next_token_ids)
+
+    # ---- a decode round: trees, then the accepted rows ------------------------------------------------------------
+    @torch.no_grad()
+    def draft(self, batch, *, with_topology: bool = False):
+        if with_topology:
+            raise NotImplementedError("DART does not support pipeline parallelism")
+        draft_input = batch.spec_info
+        s = self.settings
+        if batch.forward_mode.is_idle():
+            empty = torch.empty(0, 0, dtype=torch.long, device=self.device)
+            return build_eagle_verify_input(batch, draft_input, empty, empty, empty, None,
+                                            target_worker=self.target_worker, topk=s.topk, num_steps=s.num_levels,
+                                            num_draft_tokens=s.num_draft_tokens, tree_mask_mode=self.tree_mask_mode,
+                                            device=self.device)
+        roots = draft_input.bonus_tokens.tolist()
+        histories = [list(req.origin_input_ids) + list(req.output_ids) for req in batch.reqs]
+        contexts = draft_contexts(histories, roots, self.context_length).to(draft_input.topk_index.device)
+        trees = build_draft_trees(draft_input.topk_index, draft_input.topk_p, contexts, self.ngram, s.tree)
+        if trees.num_nodes != s.num_draft_tokens:
+            raise RuntimeError(f"DART tree has {trees.num_nodes} nodes, the server was sized for {s.num_draft_tokens}")
+        parent_list, top_scores_index, draft_tokens = encode_eagle_trees(trees, s.topk, s.num_levels)
+        return build_eagle_verify_input(batch, draft_input, parent_list.to(self.device),
+                                        top_scores_index.to(self.device), draft_tokens.to(self.device), None,
+                                        target_worker=self.target_worker, topk=s.topk, num_steps=s.num_levels,
+                                        num_draft_tokens=s.num_draft_tokens, tree_mask_mode=self.tree_mask_mode,
+                                        device=self.device)
+
+    @torch.no_grad()
+    def _draft_extend_for_decode(self, batch, batch_result, *, kv_loc_plan=None):
+        q = self.settings.num_draft_tokens
+        hidden = batch_result.logits_output.hidden_states  # [B*Q, 3*Ht], accepted path first in each block
+        next_ids = batch_result.next_token_ids.long()  # [B*Q], the token after each row
+        accept_lens = batch_result.accept_lens.tolist()  # root + accepted drafts
+        new_lens = batch_result.new_seq_lens.tolist()
+        logits = []
+        for i in range(len(accept_lens)):
+            a, length = int(accept_lens[i]), int(new_lens[i])
+            pool_index = int(batch.req_pool_indices[i])
+            rows = slice(i * q, i * q + a)
+            positions = torch.arange(length - a, length, device=self.device)
+            slots = self.req_to_token_pool.req_to_token[pool_index, length - a: length].long()
+            self._write_rows(hidden[rows], next_ids[rows], positions, slots)
+            logits.append(self._level_logits(hidden[i * q + a - 1], next_ids[i * q + a - 1], length, pool_index))
+        nxt = self._draft_input(torch.stack(logits), batch_result.next_draft_input.bonus_tokens)
+        out = batch_result.next_draft_input
+        out.topk_p, out.topk_index, out.hidden_states = nxt.topk_p, nxt.topk_index, nxt.hidden_states
+
+
+class DartWorker(eagle_v2.EAGLEWorkerV2):
+    """`EAGLEWorkerV2` with the DART draft worker (verify, bookkeeping and scheduling are EAGLE's)."""
+
+    def __init__(self, server_args, gpu_id, nccl_port, target_worker):
+        eagle_v2.BaseSpecWorker.__init__(self)
+        spec = eagle_v2.get_spec()
+        self.server_args = server_args
+        self.topk = spec.speculative_eagle_topk
+        self.speculative_num_steps = spec.speculative_num_steps
+        self.speculative_num_draft_tokens = spec.speculative_num_draft_tokens
+        self.gpu_id = gpu_id
+        self.device = eagle_v2.get_device().device
+        self._target_worker = target_worker
+        self.page_size = eagle_v2.get_schedule().page_size
+        self.speculative_algorithm = SpeculativeAlgorithm.from_string(spec.speculative_algorithm)
+        self.enable_dp_spec_prefill_coordination = False
+        self._hosts_draft = True
+        self._draft_worker = DartDraftWorker(server_args, gpu_id, nccl_port, target_worker)
+        self.adaptive_controller = None
+        self.num_new_pages_per_topk = torch.empty((), dtype=torch.int64, device=self.device)
+        self.extend_lens = torch.empty((), dtype=torch.int64, device=self.device)
+        self.plan_stream, self.plan_stream_ctx = eagle_v2.get_plan_stream(self.device)
+
+    @property
+    def spec_v2_attn_backends(self) -> tuple:
+        return (self._target_worker.model_runner.attn_backend, self._draft_worker.draft_runner.attn_backend)

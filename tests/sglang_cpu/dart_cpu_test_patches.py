@@ -1,0 +1,59 @@
+"""Test-only SGLang plugin (never part of dart_sglang): lets an SGLang 0.5.23 server run on this CPU-only machine.
+
+Loaded through the entry point in `dart_spec_cpu_test_patches-0.dist-info` when `tests/sglang_cpu` is on
+PYTHONPATH. Three switches (DESIGN 4): RoPE takes its CPU path instead of importing vllm, and the EAGLE tree build
+and verify-slot assignment take SGLang's own Triton kernels (run by TRITON_INTERPRET=1) as on XPU. With
+DART_TEST_LOGITS_LOG set it also checks the served head's logits against dart_core.DartHead.
+"""
+
+
+def apply() -> None:
+    import os
+
+    import sglang.srt.layers.rotary_embedding.base as rope_base
+    from sglang.kernels.ops.speculative import cache_locs, spec_tree
+
+    rope_base._is_cpu = True
+    spec_tree._is_xpu = True
+    cache_locs._is_xpu = True
+    if os.environ.get("DART_TEST_LOGITS_LOG"):
+        _record_head_logits(os.environ["DART_TEST_LOGITS_LOG"])
+
+
+def _record_head_logits(log_file: str) -> None:
+    """Wrap the DART worker so every draft pass is recomputed with `dart_core.DartHead` (stateless, from the rows
+    written so far) and the largest logit difference is appended to `log_file` as one JSON line."""
+    import json
+
+    import torch
+
+    from dart_core import DartHead
+    from dart_sglang.worker import DartDraftWorker
+
+    write_rows, level_logits = DartDraftWorker._write_rows, DartDraftWorker._level_logits
+
+    def recording_write_rows(self, aux, next_ids, positions, slots):
+        rows = self.__dict__.setdefault("_test_rows", {})
+        for a, i, s in zip(aux.float().cpu(), next_ids.tolist(), slots.tolist()):
+            rows[s] = (a, i)
+        return write_rows(self, aux, next_ids, positions, slots)
+
+    def checked_level_logits(self, aux_last, next_id, length, pool_index):
+        logits = level_logits(self, aux_last, next_id, length, pool_index)
+        if "_test_head" not in self.__dict__:
+            head = DartHead.from_pretrained(self.server_args.speculative_draft_model_path, load_ngram=False).float()
+            embed = self.draft_runner.model.model.embed_tokens.weight.detach().float().cpu()
+            head.set_input_embeddings(torch.nn.Embedding.from_pretrained(embed))
+            self._test_head = head
+        slots = self.req_to_token_pool.req_to_token[pool_index, :length].tolist()
+        aux = torch.stack([self._test_rows[s][0] for s in slots])[None]
+        ids = torch.tensor([[self._test_rows[s][1] for s in slots]])
+        with torch.no_grad():
+            expected = self._test_head(aux, ids)[0]
+        diff = float((logits.float().cpu() - expected).abs().max())
+        with open(log_file, "a") as fh:
+            fh.write(json.dumps({"rows": length, "max_abs_diff": diff}) + "\n")
+        return logits
+
+    DartDraftWorker._write_rows = recording_write_rows
+    DartDraftWorker._level_logits = checked_level_logits
