@@ -9,12 +9,13 @@ the prompt's rows. No multi-step draft decode, no draft attention backends, no d
 
 from __future__ import annotations
 
-import logging
+from http import HTTPStatus
 
 import torch
 
 from dart_core import NGramModel, build_draft_trees
 from dart_core.tree import topk_draft_tokens
+from sglang.srt.managers.schedule_batch import FINISH_ABORT
 from sglang.srt.speculative import eagle_worker_v2 as eagle_v2
 from sglang.srt.speculative.eagle_info import EagleDraftInput
 from sglang.srt.speculative.eagle_utils import _eagle_prefill_tail_tokens, default_tree_mask_mode
@@ -24,8 +25,6 @@ from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from .models.llama_dart import LlamaForCausalLMDart
 from .settings import DartServeSettings
 from .tree_abi import encode_eagle_trees
-
-logger = logging.getLogger(__name__)
 
 SAMPLING_REFUSED = ("DART: temperature > 0 needs SGLang's tree-sampling verify kernel, which this device ({device}) "
                     "lacks (SGLang would silently verify greedily); send temperature 0, or serve on CUDA")
@@ -123,7 +122,9 @@ class DartDraftWorker(eagle_v2.EagleDraftWorker):
         logits, start = [], 0
         for i, req in enumerate(batch.reqs):
             if not self.sampling_ok and req.sampling_params.top_k != 1:
-                req.set_finish_with_abort(SAMPLING_REFUSED.format(device=self.device))
+                # finish the request with an error after this prefill (its KV stays consistent for the cache)
+                req.to_finish = FINISH_ABORT(SAMPLING_REFUSED.format(device=self.device), HTTPStatus.BAD_REQUEST,
+                                             "BadRequestError")
             n = int(extend_lens[i])
             rows = slice(start, start + n)
             next_ids = torch.cat((batch.input_ids[rows][1:], tails[i].reshape(1))).long()

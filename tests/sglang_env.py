@@ -47,3 +47,76 @@ def set_tree(head_dir: str, **settings) -> None:
     config["dart_config"].update(settings)
     with open(file, "w") as fh:
         json.dump(config, fh, indent=1)
+
+
+class Server:
+    """An SGLang server on this CPU (DESIGN 4 recipe), in its own process group; `url` once it answers."""
+
+    FLAGS = ["--device", "cpu", "--attention-backend", "triton", "--sampling-backend", "pytorch",
+             "--disable-cuda-graph", "--disable-overlap-schedule", "--dtype", "float32",
+             "--mem-fraction-static", "0.05", "--max-total-tokens", "4096", "--random-seed", "0"]
+
+    def __init__(self, target: str, head: str | None, log_file: str, env: dict | None = None,
+                 startup_timeout: float = 400):
+        import socket
+        import subprocess
+        import time
+        import urllib.request
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_file = log_file
+        args = [sys.executable, "-m", "sglang.launch_server", "--model-path", target, "--port", str(port),
+                *self.FLAGS]
+        if head is not None:
+            args += ["--speculative-algorithm", "DART", "--speculative-draft-model-path", head]
+        full_env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
+                        PYTHONPATH=os.pathsep.join([CPU_DIR, os.environ.get("PYTHONPATH", "")]), **(env or {}))
+        self._log = open(log_file, "w")
+        self.process = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=full_env,
+                                        start_new_session=True)
+        deadline = time.time() + startup_timeout
+        while True:
+            if self.process.poll() is not None:
+                self.close()
+                raise RuntimeError(f"SGLang server exited with {self.process.returncode}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            if time.time() > deadline:
+                self.close()
+                raise RuntimeError(f"SGLang server did not answer within {startup_timeout} s:\n{self.log_tail()}")
+            time.sleep(2)
+
+    def log_tail(self, lines: int = 40) -> str:
+        with open(self.log_file, errors="replace") as fh:
+            return "".join(fh.readlines()[-lines:])
+
+    def post(self, path: str, body: dict, timeout: float = 300) -> tuple[int, dict]:
+        import urllib.error
+        import urllib.request
+
+        request = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read() or b"{}")
+
+    def close(self) -> None:
+        import signal
+
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except Exception:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        self._log.close()

@@ -9,7 +9,7 @@ request (last real row + D mask rows) attends over them with plain torch attenti
 
 from __future__ import annotations
 
-from typing import Iterable, Optional, Tuple
+from typing import Iterable, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -101,7 +101,8 @@ class LlamaForCausalLMDart(LlamaForCausalLMEagle3):
         h = h + layer.mlp(layer.post_attention_layernorm(h))
         # the reference applies the final norm in forward and again in compute_logits
         h = self.model.norm(self.model.norm(h))
-        return F.linear(h, self.lm_head.weight)
+        # SGLang pads the lm_head rows to a multiple of 64: keep the draft vocabulary only
+        return F.linear(h, self.lm_head.weight[: self.config.draft_vocab_size])
 
 
 EntryClass = [LlamaForCausalLMDart]

@@ -42,7 +42,8 @@ def _record_head_logits(log_file: str) -> None:
         logits = level_logits(self, aux_last, next_id, length, pool_index)
         if "_test_head" not in self.__dict__:
             head = DartHead.from_pretrained(self.server_args.speculative_draft_model_path, load_ngram=False).float()
-            embed = self.draft_runner.model.model.embed_tokens.weight.detach().float().cpu()
+            # SGLang pads the embedding table to a multiple of 64 rows
+            embed = self.draft_runner.model.model.embed_tokens.weight.detach().float().cpu()[: head.config.vocab_size]
             head.set_input_embeddings(torch.nn.Embedding.from_pretrained(embed))
             self._test_head = head
         slots = self.req_to_token_pool.req_to_token[pool_index, :length].tolist()
