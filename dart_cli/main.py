@@ -8,6 +8,7 @@ from typing import Callable, Optional
 
 from dart_cli.bench import add_bench
 from dart_cli.convert import add_convert
+from dart_cli.serve import add_serve
 from dart_cli.train import add_distill, add_ngram, add_train
 
 
@@ -57,7 +58,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     return 0 if result["identical"] else 1
 
 
-COMMANDS: list[Callable] = [_add_demo, add_bench, add_convert, add_distill, add_train, add_ngram]
+COMMANDS: list[Callable] = [_add_demo, add_bench, add_convert, add_distill, add_train, add_ngram, add_serve]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,7 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "passthrough", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.extra = extra
     try:
         return args.run(args)
     except (UsageError, ValueError, FileNotFoundError, FileExistsError) as err:

@@ -258,6 +258,8 @@ def test_server_args_come_from_the_head(tmp_path):
     assert (view.speculative_num_steps, view.speculative_eagle_topk, view.speculative_num_draft_tokens) == (4, 4, 9)
     with pytest.raises(ValueError, match="speculative-num-steps 3 but the head's trees need 4"):
         resolve(*_args(target, head, "--speculative-num-steps", "3"))
+    with pytest.raises(ValueError, match="tp-size"):
+        resolve(*_args(target, head, "--tp-size", "2"))
     with pytest.raises(ValueError, match="page-size"):
         resolve(*_args(target, head, "--page-size", "4"))
     with pytest.raises(ValueError, match="rejection-sampling"):
@@ -267,3 +269,19 @@ def test_server_args_come_from_the_head(tmp_path):
     (tmp_path / "head-sglang" / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="convert the head first"):
         resolve(*_args(target, head))
+
+
+def test_serve_launcher(tmp_path, capsys):
+    from dart_cli.main import main
+
+    target, head = write_models(tmp_path, draft_length=3)
+    assert main(["serve", "--model-path", target, "--head", head, "--port", "30001", "--dry-run"]) == 0
+    cmd = capsys.readouterr().out.split()
+    assert cmd[1:3] == ["-m", "sglang.launch_server"]
+    assert cmd[cmd.index("--speculative-algorithm") + 1] == "DART"
+    assert cmd[cmd.index("--speculative-draft-model-path") + 1] == head
+    assert "--disable-overlap-schedule" in cmd and cmd[-2:] == ["--port", "30001"]
+    assert main(["serve", "--model-path", target, "--head", str(tmp_path / "head"), "--dry-run"]) == 2
+    assert "convert the head first" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["demo", "--no-such-flag"])
