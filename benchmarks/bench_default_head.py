@@ -2,6 +2,7 @@
 
     python benchmarks/bench_default_head.py --json benchmarks/results/default_head.json            # 80 + 40 prompts
     python benchmarks/bench_default_head.py --mt-bench 10 --humaneval 5 --json ...                 # a quick subset
+    python benchmarks/bench_default_head.py --head runs/head --remain-total 8 ...                   # another head
 
 Greedy, batch 1, `--max-new-tokens` (128) per prompt, MT-Bench first turns and the first HumanEval prompts (chat
 template) from ../shared/data. For each prompt plain `generate()` and DART run back to back on the same machine;
@@ -12,6 +13,7 @@ calibration for this machine if there is one (`dart-spec demo --calibrate`), els
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -48,9 +50,14 @@ def main(argv=None) -> int:
     parser.add_argument("--humaneval", type=int, default=40, help="first HumanEval prompts, default 40")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--head", metavar="DIR", help="another DART head for SmolLM2 (default: the shipped one)")
+    parser.add_argument("--remain-total", type=int, help="draft nodes per tree (default: calibrated, else the head's)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    model, tokenizer, head = dart_hf.load_default()
+    model, tokenizer, head = dart_hf.load_default(args.head)
+    if args.remain_total is not None:
+        head.tree_config = dataclasses.replace(head.tree_config or head.default_tree_config(tokenizer.eos_token_id),
+                                               remain_total=args.remain_total)
     dart_hf.enable(model)
     results = {"max_new_tokens": args.max_new_tokens, "threads": args.threads,
                "tree_nodes": head.tree_config.remain_total if head.tree_config else None, "sets": {}}
