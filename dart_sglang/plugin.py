@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from .spec import ALGORITHM, DartSpecAlgo
+from .spec import ALGORITHM, DartSpecAlgo, decode_alloc_len, req_to_token_headroom
+
+_SIZING = "sglang.srt.mem_cache.allocation_sizing"
 
 
 def _worker_class(server_args):
@@ -12,11 +14,16 @@ def _worker_class(server_args):
 
 
 def register() -> None:
-    """Register the `DART` speculative algorithm and the `LlamaForCausalLMDart` draft model. Idempotent."""
+    """Register the `DART` speculative algorithm, the `LlamaForCausalLMDart` draft model and the KV sizing hooks
+    (applied by SGLang's plugin loader; they change nothing for other algorithms). Idempotent."""
     from sglang.srt.models.registry import ModelRegistry
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
     from sglang.srt.speculative import spec_registry
 
     if spec_registry.get_spec(ALGORITHM) is None:
         spec_registry.register_algorithm(ALGORITHM, supports_overlap=False, spec_class=DartSpecAlgo)(_worker_class)
+        HookRegistry.register(f"{_SIZING}.get_alloc_len_per_decode", decode_alloc_len, HookType.AROUND)
+        HookRegistry.register(f"{_SIZING}.get_req_to_token_extra_context_len", req_to_token_headroom,
+                              HookType.AROUND)
     if not ModelRegistry.is_arch_supported("LlamaForCausalLMDart"):
         ModelRegistry.register("dart_sglang.models")

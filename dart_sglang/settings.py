@@ -18,7 +18,7 @@ from dart_converters.heads import SGLANG_ARCHITECTURE, SGLANG_NGRAM_KEY
 class DartServeSettings:
     """What the DART worker needs from the head directory, and the EAGLE tree ABI sizes it implies.
 
-    num_levels        draft levels (= tree depth = `--speculative-num-steps`): D+1, or the tree's max_depth
+    num_levels        deepest tree level (= `--speculative-num-steps`): D+1, or the tree's max_depth, at most N-1
     topk              children rank range of the EAGLE encoding (= `--speculative-eagle-topk`)
     num_draft_tokens  nodes per tree including the root (= `--speculative-num-draft-tokens`)
     """
@@ -60,6 +60,7 @@ class DartServeSettings:
     def for_tree(cls, tree: TreeConfig, draft_length: int, ngram_path: Optional[str] = None) -> "DartServeSettings":
         levels = min(draft_length + 1, tree.max_depth or draft_length + 1)
         nodes = tree_node_count(tree, levels)
+        levels = min(levels, nodes - 1)  # a tree of N nodes is at most N - 1 levels deep
         return cls(tree, draft_length, levels, eagle_topk(tree, levels, nodes), nodes, ngram_path)
 
     def server_args(self) -> dict:

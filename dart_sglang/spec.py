@@ -62,6 +62,9 @@ def resolve_server_args(server_args) -> DartServeSettings:
             bool(cfg.speculative_use_rejection_sampling),
         "--speculative-adaptive": bool(cfg.speculative_adaptive),
         "--enable-multi-layer-eagle": bool(cfg.enable_multi_layer_eagle),
+        "--speculative-accept-threshold-single/-acc other than 1 (lossy acceptance)":
+            cfg.speculative_accept_threshold_single != 1.0 or cfg.speculative_accept_threshold_acc != 1.0,
+        "--disaggregation-mode": (cfg.disaggregation_mode or "null") != "null",
         "overlap scheduling (pass --disable-overlap-schedule)":
             not cfg.disable_overlap_schedule and cfg.device != "cpu",
     }
@@ -78,3 +81,31 @@ def resolve_server_args(server_args) -> DartServeSettings:
     declare_resolution(server_args, "dart_sglang", **wanted)
     _handle_eagle_family(server_args)
     return settings
+
+
+def is_dart() -> bool:
+    from sglang.srt.runtime_context import get_spec
+
+    return (get_spec().speculative_algorithm or "").upper() == ALGORITHM
+
+
+def decode_alloc_len(original, *args, **kwargs) -> int:
+    """KV slots one request takes per decode step. EAGLE sizes it max(steps * topk, tree tokens) for its
+    multi-step draft chains; DART writes only the verified tree (its mask rows never reach the KV pool), and its
+    `topk` is an ABI width, not a branching of written chains."""
+    if not is_dart():
+        return original(*args, **kwargs)
+    from sglang.srt.runtime_context import max_speculative_num_draft_tokens
+
+    return max_speculative_num_draft_tokens()
+
+
+def req_to_token_headroom(original, *args, **kwargs) -> int:
+    """Row headroom of req_to_token beyond the context length: at least the double-buffered decode reservation,
+    so a request near the context limit never writes slot ids past its own row."""
+    extra = original(*args, **kwargs)
+    if not is_dart():
+        return extra
+    from sglang.srt.mem_cache.allocation_sizing import get_alloc_reserve_per_decode
+
+    return max(extra, get_alloc_reserve_per_decode() + 4)

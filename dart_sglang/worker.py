@@ -31,20 +31,26 @@ SAMPLING_REFUSED = ("DART: temperature > 0 needs SGLang's tree-sampling verify k
 
 
 def tree_sampling_available(device) -> bool:
-    """Whether SGLang's EAGLE verify samples (rather than forcing argmax) on this device."""
-    return torch.device(device).type == "cuda"
+    """Whether SGLang's EAGLE verify samples (rather than forcing argmax) on this device: CUDA, not ROCm."""
+    return torch.device(device).type == "cuda" and torch.version.hip is None
 
 
-def draft_contexts(histories: list[list[int]], roots: list[int], length: int) -> torch.Tensor:
+def recent_tokens(req, length: int) -> list[int]:
+    """The last `length` tokens of a request's prompt + output."""
+    out = list(req.output_ids[-length:])
+    if len(out) < length:
+        out = list(req.origin_input_ids[len(out) - length:]) + out
+    return out
+
+
+def draft_contexts(tails: list[list[int]], roots: list[int], length: int) -> torch.Tensor:
     """Each request's last `length` tokens ending with its tree root -> [B, length] int64, left-padded with -1.
 
-    `histories[b]` is the request's prompt + output so far; its last token is the root (SGLang appends the bonus
-    token to the output before the next draft)."""
+    `tails[b]` ends with the request's last token, which is the root (SGLang appends the bonus token to the
+    output before the next draft); where it is not, the context is the root alone (the n-gram prior sees less)."""
     rows = []
-    for history, root in zip(histories, roots):
-        if not history or history[-1] != root:
-            raise RuntimeError(f"DART worker: the request's last token {history[-1:]} is not the tree root {root}")
-        tail = history[-length:]
+    for tail, root in zip(tails, roots):
+        tail = list(tail[-length:]) if tail and tail[-1] == root else [root]
         rows.append([-1] * (length - len(tail)) + tail)
     return torch.tensor(rows, dtype=torch.long)
 
@@ -60,7 +66,7 @@ class DartDraftWorker(eagle_v2.EagleDraftWorker):
             raise TypeError(f"the DART draft model loaded as {type(model).__name__}, not LlamaForCausalLMDart")
         if model.draft_length != self.settings.draft_length:
             raise ValueError(f"draft_length {model.draft_length} of the model != {self.settings.draft_length}")
-        self.ngram = NGramModel.load(self.settings.ngram_path) if self.settings.ngram_path else None
+        self.ngram = NGramModel.load(self.settings.ngram_path, device=self.device) if self.settings.ngram_path else None
         self.context_length = max(1, self.ngram.order - 1) if self.ngram is not None else 1
         self.sampling_ok = tree_sampling_available(self.device)
 
@@ -93,19 +99,21 @@ class DartDraftWorker(eagle_v2.EagleDraftWorker):
         past_v = pool.get_value_buffer(layer_id)[slots]
         return self.draft_runner.model.draft_logits(aux_last, next_id, length - 1, past_k, past_v)
 
-    def _draft_input(self, logits: torch.Tensor, bonus_tokens: torch.Tensor) -> EagleDraftInput:
-        """Per-level logits [B, D+1, Vd] -> the draft input the next `draft` reads: topk_index/topk_p [B, L, K]."""
-        levels = self.settings.num_levels
-        ids, probs = topk_draft_tokens(logits[:, :levels].float(), self.settings.tree.topk)
-        hot = self.draft_runner.model.hot_token_id
-        if hot is not None:
-            ids = hot.to(ids.device)[ids]
-        b = logits.shape[0]
-        return EagleDraftInput(
-            topk_p=probs, topk_index=ids,
-            hidden_states=torch.zeros(b, self.draft_runner.model.config.hidden_size, device=logits.device,
-                                      dtype=logits.dtype),
-            bonus_tokens=bonus_tokens, num_tokens_per_req=1, num_tokens_for_logprob_per_req=1)
+    def _draft_input(self, logits: list[torch.Tensor], bonus_tokens: torch.Tensor) -> EagleDraftInput:
+        """Per-request logits [D+1, Vd] -> the draft input the next `draft` reads: topk_index/topk_p [B, L, K]
+        (target ids; B may be 0)."""
+        s = self.settings
+        k = min(s.tree.topk, self.draft_runner.model.config.draft_vocab_size)
+        if logits:
+            ids, probs = topk_draft_tokens(torch.stack(logits)[:, : s.num_levels].float(), k)
+            if self.hot_token_id is not None:  # on the device since init_lm_head
+                ids = self.hot_token_id[ids]
+        else:
+            ids = torch.zeros(0, s.num_levels, k, dtype=torch.long, device=self.device)
+            probs = torch.zeros(0, s.num_levels, k, dtype=torch.float32, device=self.device)
+        hidden = torch.zeros(ids.shape[0], self.draft_runner.model.config.hidden_size, device=self.device)
+        return EagleDraftInput(topk_p=probs, topk_index=ids, hidden_states=hidden, bonus_tokens=bonus_tokens,
+                               num_tokens_per_req=1, num_tokens_for_logprob_per_req=1)
 
     # ---- prefill: the prompt's rows -----------------------------------------------------------------------------
     @torch.no_grad()
@@ -114,11 +122,10 @@ class DartDraftWorker(eagle_v2.EagleDraftWorker):
         if mm_input_embeds is not None:
             raise NotImplementedError("DART does not support multimodal inputs")
         if batch.forward_mode.is_idle():
-            return self._draft_input(torch.empty(0, self.settings.draft_length + 1, 1, device=self.device),
-                                     next_token_ids)
+            return self._draft_input([], next_token_ids)
         tails = _eagle_prefill_tail_tokens(batch, next_token_ids)
         prefix_lens, extend_lens = list(batch.prefix_lens), list(batch.extend_lens)
-        seq_lens = batch.seq_lens.tolist()
+        seq_lens, pool_indices = batch.seq_lens.tolist(), batch.req_pool_indices.tolist()
         logits, start = [], 0
         for i, req in enumerate(batch.reqs):
             if not self.sampling_ok and req.sampling_params.top_k != 1:
@@ -131,9 +138,9 @@ class DartDraftWorker(eagle_v2.EagleDraftWorker):
             positions = int(prefix_lens[i]) + torch.arange(n, device=self.device)
             self._write_rows(target_hidden_states[rows], next_ids, positions, batch.out_cache_loc[rows])
             logits.append(self._level_logits(target_hidden_states[start + n - 1], next_ids[-1], int(seq_lens[i]),
-                                             int(batch.req_pool_indices[i])))
+                                             int(pool_indices[i])))
             start += n
-        return self._draft_input(torch.stack(logits), next_token_ids)
+        return self._draft_input(logits, next_token_ids)
 
     # ---- a decode round: trees, then the accepted rows ------------------------------------------------------------
     @torch.no_grad()
@@ -149,8 +156,8 @@ class DartDraftWorker(eagle_v2.EagleDraftWorker):
                                             num_draft_tokens=s.num_draft_tokens, tree_mask_mode=self.tree_mask_mode,
                                             device=self.device)
         roots = draft_input.bonus_tokens.tolist()
-        histories = [list(req.origin_input_ids) + list(req.output_ids) for req in batch.reqs]
-        contexts = draft_contexts(histories, roots, self.context_length).to(draft_input.topk_index.device)
+        tails = [recent_tokens(req, self.context_length) for req in batch.reqs]
+        contexts = draft_contexts(tails, roots, self.context_length).to(draft_input.topk_index.device)
         trees = build_draft_trees(draft_input.topk_index, draft_input.topk_p, contexts, self.ngram, s.tree)
         if trees.num_nodes != s.num_draft_tokens:
             raise RuntimeError(f"DART tree has {trees.num_nodes} nodes, the server was sized for {s.num_draft_tokens}")
@@ -167,17 +174,16 @@ class DartDraftWorker(eagle_v2.EagleDraftWorker):
         hidden = batch_result.logits_output.hidden_states  # [B*Q, 3*Ht], accepted path first in each block
         next_ids = batch_result.next_token_ids.long()  # [B*Q], the token after each row
         accept_lens = batch_result.accept_lens.tolist()  # root + accepted drafts
-        new_lens = batch_result.new_seq_lens.tolist()
+        new_lens, pool_indices = batch_result.new_seq_lens.tolist(), batch.req_pool_indices.tolist()
         logits = []
         for i in range(len(accept_lens)):
-            a, length = int(accept_lens[i]), int(new_lens[i])
-            pool_index = int(batch.req_pool_indices[i])
+            a, length, pool_index = int(accept_lens[i]), int(new_lens[i]), int(pool_indices[i])
             rows = slice(i * q, i * q + a)
             positions = torch.arange(length - a, length, device=self.device)
             slots = self.req_to_token_pool.req_to_token[pool_index, length - a: length].long()
             self._write_rows(hidden[rows], next_ids[rows], positions, slots)
             logits.append(self._level_logits(hidden[i * q + a - 1], next_ids[i * q + a - 1], length, pool_index))
-        nxt = self._draft_input(torch.stack(logits), batch_result.next_draft_input.bonus_tokens)
+        nxt = self._draft_input(logits, batch_result.next_draft_input.bonus_tokens)
         out = batch_result.next_draft_input
         out.topk_p, out.topk_index, out.hidden_states = nxt.topk_p, nxt.topk_index, nxt.hidden_states
 

@@ -17,7 +17,7 @@ from dart_core import NGramModel, TreeConfig, build_draft_trees  # noqa: E402
 from dart_core.verify import verify_greedy  # noqa: E402
 from dart_sglang.settings import DartServeSettings, eagle_topk, tree_node_count  # noqa: E402
 from dart_sglang.tree_abi import encode_eagle_trees  # noqa: E402
-from dart_sglang.worker import draft_contexts  # noqa: E402
+from dart_sglang.worker import draft_contexts, recent_tokens  # noqa: E402
 
 TREES = [  # (TreeConfig kwargs, draft_length)
     (dict(topk=4, beam_width=3, remain_total=12), 3),
@@ -80,10 +80,18 @@ def test_settings_from_a_converted_directory(tmp_path):
 
 
 def test_draft_contexts():
-    out = draft_contexts([[1, 2, 3, 4], [7]], [4, 7], 2)
-    assert out.tolist() == [[3, 4], [-1, 7]]
-    with pytest.raises(RuntimeError, match="not the tree root"):
-        draft_contexts([[1, 2]], [3], 2)
+    from types import SimpleNamespace
+
+    assert draft_contexts([[1, 2, 3, 4], [7]], [4, 7], 2).tolist() == [[3, 4], [-1, 7]]
+    assert draft_contexts([[1, 2]], [3], 2).tolist() == [[-1, 3]]  # not ending with the root: the root alone
+    req = SimpleNamespace(origin_input_ids=[1, 2, 3], output_ids=[4])
+    assert recent_tokens(req, 3) == [2, 3, 4] and recent_tokens(req, 1) == [4]
+    assert recent_tokens(SimpleNamespace(origin_input_ids=[1, 2], output_ids=[5, 6, 7]), 2) == [6, 7]
+
+
+def test_chain_trees_are_no_deeper_than_their_nodes():
+    s = DartServeSettings.for_tree(TreeConfig(topk=1, beam_width=1, remain_total=3), 6)
+    assert (s.num_draft_tokens, s.num_levels) == (4, 3)
 
 
 # ---- the EAGLE tree encoding, checked by SGLang's kernels --------------------------------------------------------
@@ -258,6 +266,8 @@ def test_server_args_come_from_the_head(tmp_path):
     assert (view.speculative_num_steps, view.speculative_eagle_topk, view.speculative_num_draft_tokens) == (4, 4, 9)
     with pytest.raises(ValueError, match="speculative-num-steps 3 but the head's trees need 4"):
         resolve(*_args(target, head, "--speculative-num-steps", "3"))
+    with pytest.raises(ValueError, match="accept-threshold"):
+        resolve(*_args(target, head, "--speculative-accept-threshold-single", "0.5"))
     with pytest.raises(ValueError, match="tp-size"):
         resolve(*_args(target, head, "--tp-size", "2"))
     with pytest.raises(ValueError, match="page-size"):
@@ -285,3 +295,21 @@ def test_serve_launcher(tmp_path, capsys):
     assert "convert the head first" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["demo", "--no-such-flag"])
+
+
+def test_kv_sizing_hooks(monkeypatch):
+    from types import SimpleNamespace
+
+    import sglang.srt.mem_cache.allocation_sizing as sizing
+    import sglang.srt.runtime_context as rc
+
+    from dart_sglang.spec import decode_alloc_len, req_to_token_headroom
+
+    monkeypatch.setattr(rc, "max_speculative_num_draft_tokens", lambda: 61)
+    monkeypatch.setattr(sizing, "get_alloc_reserve_per_decode", lambda: 122)
+    eagle = lambda: 175  # noqa: E731  max(steps * topk, tokens) with topk 25, 7 steps
+    monkeypatch.setattr(rc, "get_spec", lambda: SimpleNamespace(speculative_algorithm="DART"))
+    assert decode_alloc_len(eagle) == 61
+    assert req_to_token_headroom(lambda: 65) == 126
+    monkeypatch.setattr(rc, "get_spec", lambda: SimpleNamespace(speculative_algorithm="EAGLE3"))
+    assert decode_alloc_len(eagle) == 175 and req_to_token_headroom(lambda: 65) == 65
