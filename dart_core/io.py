@@ -60,6 +60,7 @@ def save_safetensors_atomic(tensors: Mapping[str, torch.Tensor], path: str,
     os.close(fd)
     try:
         save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600; give the file the permissions open() would
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):

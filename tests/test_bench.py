@@ -166,15 +166,19 @@ def test_calibrated_tree_keeps_the_fastest_search(monkeypatch):
     assert [r["expected_speedup"] for r in rows] == [0.9, 1.2, 0.7] and len(saved) == 3
 
 
-def test_atomic_write_gives_files_the_usual_permissions(tmp_path):
+def test_atomic_writes_give_files_the_usual_permissions(tmp_path):
     import os
 
-    from dart_core.io import atomic_write
+    import torch
+
+    from dart_core.io import atomic_write, save_safetensors_atomic
 
     old = os.umask(0o022)
     try:
         with atomic_write(str(tmp_path / "out.txt"), "w") as fh:
             fh.write("x")
+        save_safetensors_atomic({"w": torch.zeros(2)}, str(tmp_path / "w.safetensors"))
     finally:
         os.umask(old)
-    assert (tmp_path / "out.txt").stat().st_mode & 0o777 == 0o644  # mkstemp alone would leave 0600
+    for name in ("out.txt", "w.safetensors"):  # mkstemp alone would leave 0600
+        assert (tmp_path / name).stat().st_mode & 0o777 == 0o644, name
