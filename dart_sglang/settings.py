@@ -49,6 +49,10 @@ class DartServeSettings:
         block = dict(raw[SGLANG_CONFIG_KEY])
         ngram_file = block.pop(SGLANG_NGRAM_KEY, None)
         tree = TreeConfig.from_dict(block)
+        draft_vocab = raw.get("draft_vocab_size") or raw.get("vocab_size")
+        if isinstance(draft_vocab, int) and draft_vocab < tree.topk:
+            raise ValueError(f"{file}: the tree takes topk={tree.topk} candidates per level but the draft vocabulary "
+                             f"has {draft_vocab} tokens; lower dart_config.topk")
         ngram_path = None
         if ngram_file is not None:
             ngram_path = os.path.join(path, ngram_file)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+
+import torch
 from sglang.srt.arg_groups.overrides import declare_resolution
 from sglang.srt.arg_groups.model_override_base import resolving_view
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
@@ -53,6 +56,8 @@ def resolve_server_args(server_args) -> DartServeSettings:
         raise ValueError("--speculative-algorithm DART needs --speculative-draft-model-path HEAD_DIR (a head converted "
                          "with `dart-spec convert sglang`)")
     settings = DartServeSettings.from_draft_dir(cfg.speculative_draft_model_path)
+    if os.path.isdir(cfg.model_path):  # a hub id is resolved later by SGLang; a local target is checked now
+        check_fits_target(cfg.speculative_draft_model_path, cfg.model_path)
     unsupported = {
         "--tp-size > 1": cfg.tp_size > 1,
         "--pp-size > 1": cfg.pp_size > 1,
@@ -81,6 +86,19 @@ def resolve_server_args(server_args) -> DartServeSettings:
     declare_resolution(server_args, "dart_sglang", **wanted)
     _handle_eagle_family(server_args)
     return settings
+
+
+def check_fits_target(head_dir: str, target_dir: str) -> None:
+    """Refuse (naming every mismatch) a head whose hidden sizes, vocabulary, d2t or taps do not fit the target."""
+    from safetensors import safe_open
+
+    from dart_converters.heads import check_head_against_target, read_target_config
+    from dart_core import DartConfig
+    from dart_core.head import WEIGHTS_NAME
+
+    with safe_open(os.path.join(head_dir, WEIGHTS_NAME), framework="pt") as fh:
+        d2t = fh.get_tensor("d2t") if "d2t" in fh.keys() else torch.zeros(0, dtype=torch.long)
+    check_head_against_target(DartConfig.from_pretrained(head_dir), d2t, read_target_config(target_dir))
 
 
 def is_dart() -> bool:

@@ -103,7 +103,7 @@ class DartDraftWorker(eagle_v2.EagleDraftWorker):
         """Per-request logits [D+1, Vd] -> the draft input the next `draft` reads: topk_index/topk_p [B, L, K]
         (target ids; B may be 0)."""
         s = self.settings
-        k = min(s.tree.topk, self.draft_runner.model.config.draft_vocab_size)
+        k = s.tree.topk  # <= the draft vocabulary (checked with the server arguments)
         if logits:
             ids, probs = topk_draft_tokens(torch.stack(logits)[:, : s.num_levels].float(), k)
             if self.hot_token_id is not None:  # on the device since init_lm_head

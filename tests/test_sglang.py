@@ -274,6 +274,16 @@ def test_server_args_come_from_the_head(tmp_path):
         resolve(*_args(target, head, "--page-size", "4"))
     with pytest.raises(ValueError, match="rejection-sampling"):
         resolve(*_args(target, head, "--speculative-use-rejection-sampling"))
+    from hf_models import tiny_target
+
+    other = tmp_path / "other-target"  # hidden size 48 instead of 32
+    tiny_target(layers=8, hidden=48).save_pretrained(other)
+    with pytest.raises(ValueError, match="does not fit the target .*hidden_size 48"):
+        resolve(*_args(str(other), head))
+    set_tree(head, topk=200)
+    with pytest.raises(ValueError, match="draft vocabulary has 96 tokens"):
+        resolve(*_args(target, head))
+    set_tree(head, topk=4)
     config = json.loads((tmp_path / "head-sglang" / "config.json").read_text())
     config["architectures"] = ["LlamaForCausalLMEagle3"]  # an EAGLE3 head
     (tmp_path / "head-sglang" / "config.json").write_text(json.dumps(config))
