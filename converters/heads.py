@@ -16,7 +16,8 @@ from safetensors import safe_open
 
 from dart_core import DartConfig, DartHead, NGramModel, TreeConfig
 from dart_core.config import CONFIG_NAME
-from dart_core.head import NGRAM_FILE_KEY, NGRAM_NAME, OPTIONAL_KEYS, TREE_CONFIG_KEY, WEIGHTS_NAME, check_draft_vocab
+from dart_core.head import (NGRAM_FILE_KEY, NGRAM_NAME, OPTIONAL_KEYS, SGLANG_NGRAM_KEY, TREE_CONFIG_KEY,
+                             WEIGHTS_NAME, check_draft_vocab)
 from dart_core.io import atomic_write, load_safetensors_checked, read_json_object, save_safetensors_atomic
 
 from .staging import staged_directory
@@ -28,7 +29,6 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 EMBED_KEY = OPTIONAL_KEYS[0]  # "embed_tokens.weight"
 SGLANG_ARCHITECTURE = "LlamaForCausalLMDart"
-SGLANG_NGRAM_KEY = "ngram_file"
 # config keys that describe a source layout and must not leak into a converted config
 _LAYOUT_KEYS = ("architectures", "eagle_config", "dart_config", TREE_CONFIG_KEY, NGRAM_FILE_KEY)
 

@@ -22,6 +22,7 @@ NGRAM_FILE_KEY = "dart_ngram_file"
 EAGLE3_ARCHITECTURE = "Eagle3Head"
 # the block an SGLang-flavour head directory keeps its tree settings (and "ngram_file") in
 SGLANG_CONFIG_KEY = "dart_config"
+SGLANG_NGRAM_KEY = "ngram_file"  # the n-gram file's name inside that block
 # present in some checkpoints; the head uses the target's embedding table instead
 OPTIONAL_KEYS = ("embed_tokens.weight",)
 
@@ -346,7 +347,7 @@ class DartHead(nn.Module):
         check_draft_vocab(head.d2t, config.vocab_size, source=weights_file)
         if embed is not None:
             head.set_input_embeddings(nn.Embedding.from_pretrained(embed, freeze=True), save_with_head=True)
-        tree, ngram_file = _tree_settings(config.extra)
+        tree, ngram_file = tree_settings(config.extra)
         if tree is not None:
             head.tree_config = TreeConfig.from_dict(tree)
         if load_ngram and ngram_file:
@@ -394,12 +395,12 @@ def _check_architecture(cls: type, config: DartConfig, path: str) -> None:
                          f"dart_core.eagle3.Eagle3Head.from_pretrained")
 
 
-def _tree_settings(extra: dict) -> tuple[Optional[dict], Optional[str]]:
+def tree_settings(extra: dict) -> tuple[Optional[dict], Optional[str]]:
     """(tree settings, n-gram file) from this project's keys or, in an SGLang-flavour directory, `dart_config`."""
     if TREE_CONFIG_KEY in extra or NGRAM_FILE_KEY in extra:
         return extra.get(TREE_CONFIG_KEY), extra.get(NGRAM_FILE_KEY)
     sglang = dict(extra.get(SGLANG_CONFIG_KEY) or {})
-    ngram_file = sglang.pop("ngram_file", None)
+    ngram_file = sglang.pop(SGLANG_NGRAM_KEY, None)
     return (sglang or None), ngram_file
 
 

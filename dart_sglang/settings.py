@@ -8,10 +8,9 @@ import math
 import os
 from typing import Optional
 
-from dart_core.config import CONFIG_NAME, TreeConfig
-from dart_core.head import SGLANG_CONFIG_KEY
-from dart_core.io import read_json_object
-from dart_converters.heads import SGLANG_ARCHITECTURE, SGLANG_NGRAM_KEY
+from dart_core.config import CONFIG_NAME, DartConfig, TreeConfig
+from dart_core.head import SGLANG_CONFIG_KEY, tree_settings
+from dart_converters.heads import SGLANG_ARCHITECTURE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,29 +35,25 @@ class DartServeSettings:
         file = os.path.join(path, CONFIG_NAME)
         if not os.path.isfile(file):
             raise FileNotFoundError(f"DART draft directory has no {CONFIG_NAME}: {path}")
-        raw = read_json_object(file)
-        if SGLANG_ARCHITECTURE not in (raw.get("architectures") or []):
-            raise ValueError(f"{file}: architectures {raw.get('architectures')} is not [{SGLANG_ARCHITECTURE!r}]; "
+        config = DartConfig.from_pretrained(path)  # checks the head's shape fields (draft_length, vocab sizes, ...)
+        architectures = config.extra.get("architectures") or []
+        if SGLANG_ARCHITECTURE not in architectures:
+            raise ValueError(f"{file}: architectures {architectures} is not [{SGLANG_ARCHITECTURE!r}]; "
                              "convert the head first: dart-spec convert sglang HEAD_DIR OUT_DIR --target TARGET_DIR")
-        if not isinstance(raw.get(SGLANG_CONFIG_KEY), dict):
+        if not isinstance(config.extra.get(SGLANG_CONFIG_KEY), dict):
             raise ValueError(f"{file} has no {SGLANG_CONFIG_KEY!r} block (tree settings); convert the head with "
                              "dart-spec convert sglang")
-        draft_length = raw.get("draft_length")
-        if isinstance(draft_length, bool) or not isinstance(draft_length, int) or draft_length < 1:
-            raise ValueError(f"{file}: draft_length must be a positive integer, got {draft_length!r}")
-        block = dict(raw[SGLANG_CONFIG_KEY])
-        ngram_file = block.pop(SGLANG_NGRAM_KEY, None)
-        tree = TreeConfig.from_dict(block)
-        draft_vocab = raw.get("draft_vocab_size") or raw.get("vocab_size")
-        if isinstance(draft_vocab, int) and draft_vocab < tree.topk:
+        block, ngram_file = tree_settings(config.extra)
+        tree = TreeConfig.from_dict(block or {})
+        if config.draft_vocab_size < tree.topk:
             raise ValueError(f"{file}: the tree takes topk={tree.topk} candidates per level but the draft vocabulary "
-                             f"has {draft_vocab} tokens; lower dart_config.topk")
+                             f"has {config.draft_vocab_size} tokens; lower dart_config.topk")
         ngram_path = None
         if ngram_file is not None:
             ngram_path = os.path.join(path, ngram_file)
             if not os.path.isfile(ngram_path):
                 raise FileNotFoundError(f"{file} names n-gram file {ngram_file!r} but {ngram_path} does not exist")
-        return cls.for_tree(tree, draft_length, ngram_path)
+        return cls.for_tree(tree, config.draft_length, ngram_path)
 
     @classmethod
     def for_tree(cls, tree: TreeConfig, draft_length: int, ngram_path: Optional[str] = None) -> "DartServeSettings":

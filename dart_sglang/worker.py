@@ -64,8 +64,6 @@ class DartDraftWorker(eagle_v2.EagleDraftWorker):
         model = self.draft_runner.model
         if not isinstance(model, LlamaForCausalLMDart):
             raise TypeError(f"the DART draft model loaded as {type(model).__name__}, not LlamaForCausalLMDart")
-        if model.draft_length != self.settings.draft_length:
-            raise ValueError(f"draft_length {model.draft_length} of the model != {self.settings.draft_length}")
         self.ngram = NGramModel.load(self.settings.ngram_path, device=self.device) if self.settings.ngram_path else None
         self.context_length = max(1, self.ngram.order - 1) if self.ngram is not None else 1
         self.sampling_ok = tree_sampling_available(self.device)
@@ -89,6 +87,14 @@ class DartDraftWorker(eagle_v2.EagleDraftWorker):
         """Store the keys/values of real rows at their token slots in the draft KV pool."""
         k, v = self.draft_runner.model.real_rows(aux, next_ids, positions)
         self.draft_runner.token_to_kv_pool.set_kv_buffer(self._attn, slots, k, v)
+
+    def _extend(self, aux: torch.Tensor, next_ids: torch.Tensor, start: int, slots: torch.Tensor,
+                pool_index: int) -> torch.Tensor:
+        """Append T real rows (aux [T, 3*Ht], next_ids [T]) at positions start.. and token slots `slots` [T] to a
+        request, then return its draft logits [D+1, Vd]."""
+        n = next_ids.shape[0]
+        self._write_rows(aux, next_ids, start + torch.arange(n, device=self.device), slots)
+        return self._level_logits(aux[-1], next_ids[-1], start + n, pool_index)
 
     def _level_logits(self, aux_last, next_id, length: int, pool_index: int) -> torch.Tensor:
         """[D+1, Vd] logits of a request whose rows 0..length-1 are in the pool (the last one is aux_last/next_id)."""
@@ -125,21 +131,18 @@ class DartDraftWorker(eagle_v2.EagleDraftWorker):
             return self._draft_input([], next_token_ids)
         tails = _eagle_prefill_tail_tokens(batch, next_token_ids)
         prefix_lens, extend_lens = list(batch.prefix_lens), list(batch.extend_lens)
-        seq_lens, pool_indices = batch.seq_lens.tolist(), batch.req_pool_indices.tolist()
+        pool_indices = batch.req_pool_indices.tolist()
         logits, start = [], 0
         for i, req in enumerate(batch.reqs):
             if not self.sampling_ok and req.sampling_params.top_k != 1:
                 # finish the request with an error after this prefill (its KV stays consistent for the cache)
                 req.to_finish = FINISH_ABORT(SAMPLING_REFUSED.format(device=self.device), HTTPStatus.BAD_REQUEST,
                                              "BadRequestError")
-            n = int(extend_lens[i])
-            rows = slice(start, start + n)
+            rows = slice(start, start + int(extend_lens[i]))
             next_ids = torch.cat((batch.input_ids[rows][1:], tails[i].reshape(1))).long()
-            positions = int(prefix_lens[i]) + torch.arange(n, device=self.device)
-            self._write_rows(target_hidden_states[rows], next_ids, positions, batch.out_cache_loc[rows])
-            logits.append(self._level_logits(target_hidden_states[start + n - 1], next_ids[-1], int(seq_lens[i]),
-                                             int(pool_indices[i])))
-            start += n
+            logits.append(self._extend(target_hidden_states[rows], next_ids, int(prefix_lens[i]),
+                                       batch.out_cache_loc[rows], int(pool_indices[i])))
+            start = rows.stop
         return self._draft_input(logits, next_token_ids)
 
     # ---- a decode round: trees, then the accepted rows ------------------------------------------------------------
@@ -179,10 +182,8 @@ class DartDraftWorker(eagle_v2.EagleDraftWorker):
         for i in range(len(accept_lens)):
             a, length, pool_index = int(accept_lens[i]), int(new_lens[i]), int(pool_indices[i])
             rows = slice(i * q, i * q + a)
-            positions = torch.arange(length - a, length, device=self.device)
             slots = self.req_to_token_pool.req_to_token[pool_index, length - a: length].long()
-            self._write_rows(hidden[rows], next_ids[rows], positions, slots)
-            logits.append(self._level_logits(hidden[i * q + a - 1], next_ids[i * q + a - 1], length, pool_index))
+            logits.append(self._extend(hidden[rows], next_ids[rows], length - a, slots, pool_index))
         nxt = self._draft_input(logits, batch_result.next_draft_input.bonus_tokens)
         out = batch_result.next_draft_input
         out.topk_p, out.topk_index, out.hidden_states = nxt.topk_p, nxt.topk_index, nxt.hidden_states

@@ -4,12 +4,13 @@ against the same server without speculation and against HF greedy. Marked slow (
 from __future__ import annotations
 
 import json
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
-from sglang_env import Server, import_sglang, write_models
+from sglang_env import Server, import_sglang, set_tree, write_models
 
 import_sglang()
 
@@ -21,10 +22,7 @@ NEW_TOKENS = 16
 TREE = {"topk": 4, "beam_width": 4, "remain_total": 8}
 
 
-def hf_greedy(target_dir, ids, new_tokens, stop_at_eos=True):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+def hf_greedy(model, ids, new_tokens, stop_at_eos=True):
     eos = 2 if stop_at_eos else None
     out = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=eos,
                          pad_token_id=0)
@@ -53,6 +51,13 @@ def models(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def hf_target(models):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(models[1], dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
 def plain_outputs(models):
     root, target, _ = models
     server = Server(target, None, str(root / "plain.log"))
@@ -63,7 +68,7 @@ def plain_outputs(models):
         server.close()
 
 
-def test_dart_server_is_lossless_and_batches(models, plain_outputs):
+def test_dart_server_is_lossless_and_batches(models, plain_outputs, hf_target):
     root, target, head = models
     logits_log = root / "head-logits.jsonl"
     server = Server(target, head, str(root / "dart.log"), env={"DART_TEST_LOGITS_LOG": str(logits_log)})
@@ -79,7 +84,7 @@ def test_dart_server_is_lossless_and_batches(models, plain_outputs):
         server.close()
     # lossless: the same tokens as the server without speculation and as HF greedy
     assert sequential == plain_outputs["ids"]
-    assert sequential == [hf_greedy(target, ids, NEW_TOKENS) for ids in PROMPT_IDS]
+    assert sequential == [hf_greedy(hf_target, ids, NEW_TOKENS) for ids in PROMPT_IDS]
     assert texts == plain_outputs["text"] and all(texts)
     # continuous batching: 4 requests in flight give the sequential outputs
     assert concurrent == sequential
@@ -93,27 +98,24 @@ def test_dart_server_is_lossless_and_batches(models, plain_outputs):
     assert max(c["rows"] for c in checks) > max(map(len, PROMPT_IDS))  # decode rounds were checked too
 
 
-def test_a_head_that_drafts_right_gets_drafts_accepted(models, tmp_path):
+def test_a_head_that_drafts_right_gets_drafts_accepted(models, hf_target, tmp_path):
     from dart_converters import convert_sglang
-    from hf_models import random_head, tiny_target
+    from hf_models import random_head
 
     _, target_dir, _ = models
     prompt = PROMPT_IDS[0]
-    reference = hf_greedy(target_dir, prompt, 24, stop_at_eos=False)
-    common = [t for t, _ in sorted(((t, -reference.count(t)) for t in set(reference)), key=lambda x: x[1])][:2]
+    reference = hf_greedy(hf_target, prompt, 24, stop_at_eos=False)
+    common = [t for t, _ in Counter(reference).most_common(2)]
     assert sum(reference.count(t) for t in common) >= len(reference) // 2, reference
     # a 2-token draft vocabulary of the target's two most frequent continuation tokens: every level drafts both
-    target = tiny_target(layers=8)
-    head = random_head(target, draft_length=3, draft_vocab=2)
+    head = random_head(hf_target, draft_length=3, draft_vocab=2)
     with torch.no_grad():
         head.d2t.copy_(torch.tensor([common[0], common[1] - 1]))
         head.t2d.zero_()
         head.t2d[common] = True
-    head.set_input_embeddings(target.get_input_embeddings())
+    head.set_input_embeddings(hf_target.get_input_embeddings())
     head.save_pretrained(tmp_path / "crafted")
     convert_sglang(tmp_path / "crafted", tmp_path / "crafted-sglang", target=target_dir, progress=False)
-    from sglang_env import set_tree
-
     set_tree(str(tmp_path / "crafted-sglang"), topk=2, beam_width=4, remain_total=14)
     server = Server(target_dir, str(tmp_path / "crafted-sglang"), str(tmp_path / "crafted.log"))
     try:

@@ -21,13 +21,10 @@ from sglang.srt.models.llama_eagle3 import LlamaForCausalLMEagle3
 class LlamaForCausalLMDart(LlamaForCausalLMEagle3):
     def __init__(self, config, quant_config=None, prefix: str = "") -> None:
         super().__init__(config, quant_config=quant_config, prefix=prefix)
-        draft_length = getattr(config, "draft_length", None)
-        if isinstance(draft_length, bool) or not isinstance(draft_length, int) or draft_length < 1:
-            raise ValueError(f"DART draft config needs a positive integer draft_length, got {draft_length!r}")
         if len(self.model.layers) != 1:
             raise ValueError(f"a DART head has one layer, the draft config says num_hidden_layers="
                              f"{len(self.model.layers)}")
-        self.draft_length = draft_length
+        self.draft_length = config.draft_length  # checked with the server arguments (dart_sglang.settings)
         # loaded from `midlayer.mask_rep` (renamed to model.layers.0.mask_rep by the EAGLE3 loader)
         self.model.layers[0].mask_rep = nn.Parameter(torch.zeros(2 * config.hidden_size), requires_grad=False)
         self._loaded_mask_rep = False

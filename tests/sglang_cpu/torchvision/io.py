@@ -1,17 +1,5 @@
-"""Test-only stand-in: PyPI torchvision cannot load beside the CPU torch build, and SGLang imports it at module
-level in multimodal code the DART tests never run. Any attribute is a placeholder that fails when called."""
+"""Test-only stand-in (see torchvision/__init__.py): every attribute is a placeholder."""
 
+import torchvision
 
-class _Missing:
-    def __init__(self, name):
-        self._name = name
-
-    def __getattr__(self, name):
-        return _Missing(f"{self._name}.{name}")
-
-    def __call__(self, *args, **kwargs):
-        raise RuntimeError(f"torchvision stub: {self._name} is not available in the DART CPU tests")
-
-
-def __getattr__(name):
-    return _Missing(name)
+__getattr__ = torchvision.__getattr__
