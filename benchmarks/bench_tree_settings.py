@@ -1,0 +1,97 @@
+"""Tree-search settings and n-gram tables for a head: tau at several tree sizes, on prompts held out from training.
+
+    python benchmarks/bench_tree_settings.py --json benchmarks/results/tree_settings.json \
+        --settings '[{}, {"ngram_weight": 0.0}, {"ngram_weight": 1.0}]' --ngram runs/other-ngram.safetensors
+
+Greedy DART decoding with the shipped SmolLM2 head (or `--head`) on the last GSM8K training questions of the
+distillation order (held out from the shipped head's data) plus a few built-in chat and code requests. Every
+setting (a JSON object of `TreeConfig` fields that replace the head's) runs once with a `--max-nodes` tree; the
+selection rank of each accepted node gives the tau a smaller tree of the same search would have reached
+(`DartStats.tau_at`), so one run per setting covers every tree size. Each `--ngram` file is run with the head's
+settings. Measures acceptance only: tokens/s on a CPU come from `bench_default_head.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+import dart_hf
+from dart_core import TreeConfig
+from dart_core.ngram import NGramModel
+from dart_hf.bench import load_prompt_sets
+from dart_hf.calibrate import acceptance_run, base_tree_config, encode_prompts
+from results_io import write_results
+
+DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+TREE_SIZES = (2, 4, 8, 16, 60)
+# requests written for this script (not from any benchmark set)
+OWN_PROMPTS = (
+    "Write a Python function that returns the n-th Fibonacci number, with a docstring and a few tests.",
+    'def merge_intervals(intervals):\n    """Merge overlapping intervals given as (start, end) pairs and return them '
+    'sorted."""\n',
+    "Explain the difference between a list and a tuple in Python, with short examples.",
+    "Give me three tips for writing a clear cover letter for a software job.",
+    "Write a short story (about 100 words) about a robot that learns to paint.",
+    'def parse_csv_line(line, sep=","):\n    """Split one CSV line into fields, honouring double quotes."""\n',
+)
+
+
+def parse_settings(text: str) -> list[dict]:
+    """The --settings JSON: a list of objects whose keys are TreeConfig fields (remain_total excluded)."""
+    settings = json.loads(text)
+    fields = {f.name for f in dataclasses.fields(TreeConfig)} - {"remain_total"}
+    if not isinstance(settings, list) or not all(isinstance(s, dict) for s in settings):
+        raise ValueError("--settings must be a JSON list of objects, e.g. '[{}, {\"ngram_weight\": 1.0}]'")
+    for s in settings:
+        unknown = sorted(set(s) - fields)
+        if unknown:
+            raise ValueError(f"unknown tree setting(s) {unknown}; allowed: {', '.join(sorted(fields))}")
+    return settings
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", help="write results here")
+    parser.add_argument("--settings", default="[{}]", help="JSON list of TreeConfig overrides (default: '[{}]')")
+    parser.add_argument("--ngram", nargs="*", default=[], metavar="FILE", help="n-gram files to try instead")
+    parser.add_argument("--gsm8k", type=int, default=6, help="held-out GSM8K questions, default 6")
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--max-nodes", type=int, default=60, help="tree size of the runs, default 60")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--head", metavar="DIR", help="another DART head for SmolLM2 (default: the shipped one)")
+    args = parser.parse_args(argv)
+    settings = parse_settings(args.settings)
+    ngram_files = [Path(p) for p in args.ngram]
+    missing = [str(p) for p in ngram_files if not p.is_file()]
+    if missing:
+        parser.error(f"n-gram file(s) not found: {', '.join(missing)}")
+    torch.set_num_threads(args.threads)
+    model, tokenizer, head = dart_hf.load_default(args.head, use_calibration=False)
+    questions = load_prompt_sets(DATA, args.gsm8k, ["gsm8k"])["gsm8k"]
+    prompts = encode_prompts(tokenizer, list(questions) + list(OWN_PROMPTS))
+    base = base_tree_config(model, head)
+    runs = [("settings", s, head.ngram) for s in settings] + [("ngram", str(p), NGramModel.load(p)) for p in ngram_files]
+    rows = []
+    for kind, what, ngram in runs:
+        config = dataclasses.replace(base, remain_total=args.max_nodes, **(what if kind == "settings" else {}))
+        head.ngram = ngram
+        stats = acceptance_run(model, head, prompts, config, max_new_tokens=args.max_new_tokens)
+        sizes = [r for r in TREE_SIZES if r <= args.max_nodes]
+        row = {kind: what, "tau": {r: round(stats.tau_at(r), 3) for r in sizes}}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    if args.json:
+        write_results(args.json, {"head": args.head or "shipped", "base": dataclasses.asdict(base),
+                                  "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+                                  "threads": args.threads, "runs": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
