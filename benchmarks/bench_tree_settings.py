@@ -66,7 +66,10 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--head", metavar="DIR", help="another DART head for SmolLM2 (default: the shipped one)")
     args = parser.parse_args(argv)
-    settings = parse_settings(args.settings)
+    try:
+        settings = parse_settings(args.settings)
+    except ValueError as err:  # json.JSONDecodeError included
+        parser.error(str(err))
     ngram_files = [Path(p) for p in args.ngram]
     missing = [str(p) for p in ngram_files if not p.is_file()]
     if missing:
@@ -76,14 +79,16 @@ def main(argv=None) -> int:
     questions = load_prompt_sets(DATA, args.gsm8k, ["gsm8k"])["gsm8k"]
     prompts = encode_prompts(tokenizer, list(questions) + list(OWN_PROMPTS))
     base = base_tree_config(model, head)
-    runs = [("settings", s, head.ngram) for s in settings] + [("ngram", str(p), NGramModel.load(p)) for p in ngram_files]
+    # (what the row says, TreeConfig overrides, n-gram): every n-gram file is loaded (and checked) before any run
+    runs = ([({"settings": s}, s, head.ngram) for s in settings]
+            + [({"ngram": str(p)}, {}, NGramModel.load(p)) for p in ngram_files])
+    sizes = [r for r in TREE_SIZES if r <= args.max_nodes]
     rows = []
-    for kind, what, ngram in runs:
-        config = dataclasses.replace(base, remain_total=args.max_nodes, **(what if kind == "settings" else {}))
+    for label, overrides, ngram in runs:
+        config = dataclasses.replace(base, remain_total=args.max_nodes, **overrides)
         head.ngram = ngram
         stats = acceptance_run(model, head, prompts, config, max_new_tokens=args.max_new_tokens)
-        sizes = [r for r in TREE_SIZES if r <= args.max_nodes]
-        row = {kind: what, "tau": {r: round(stats.tau_at(r), 3) for r in sizes}}
+        row = {**label, "tau": {r: round(stats.tau_at(r), 3) for r in sizes}}
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.json:
