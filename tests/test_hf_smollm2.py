@@ -86,8 +86,8 @@ def test_bench_command_on_smollm2(tmp_path, capsys):
     from dart_cli.main import main
     from dart_core import Eagle3Head
 
-    Eagle3Head.from_dart_head(DartHead.from_pretrained(dart_hf.default.DEFAULT_HEAD_DIR)).save_pretrained(
-        tmp_path / "e3")
+    shipped = DartHead.from_pretrained(dart_hf.default.DEFAULT_HEAD_DIR)
+    Eagle3Head.from_dart_head(shipped).save_pretrained(tmp_path / "e3")
     assert main(["bench", "--out", str(tmp_path / "out"), "--data", str(DATA), "--per-set", "1", "--repeats", "1",
                  "--temperatures", "0", "--max-new-tokens", "6", "--no-calibrate", "--no-charts",
                  "--sets", "mt_bench", "--eagle3", str(tmp_path / "e3")]) == 0
@@ -95,4 +95,5 @@ def test_bench_command_on_smollm2(tmp_path, capsys):
     assert "| all | eagle3 |" in printed and "cheaper" in printed
     result = json.loads((tmp_path / "out" / "results.json").read_text())
     assert all(r["identical"] for r in result["runs"]) and len(result["runs"]) == 5
-    assert result["environment"]["tree_configs"]["dart"]["remain_total"] == 8
+    # --no-calibrate keeps the tree saved with the shipped head
+    assert result["environment"]["tree_configs"]["dart"] == shipped.tree_config.to_dict()
