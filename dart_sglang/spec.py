@@ -89,16 +89,19 @@ def resolve_server_args(server_args) -> DartServeSettings:
 
 
 def check_fits_target(head_dir: str, target_dir: str) -> None:
-    """Refuse (naming every mismatch) a head whose hidden sizes, vocabulary, d2t or taps do not fit the target."""
+    """Refuse (naming every mismatch) a head whose hidden sizes, vocabulary, d2t or taps do not fit the target: the
+    same check `dart-spec convert sglang --target` makes."""
     from safetensors import safe_open
 
-    from dart_converters.heads import check_head_against_target, read_target_config
+    from dart_converters.heads import EMBED_KEY, check_head_against_target, read_target_config
     from dart_core import DartConfig
     from dart_core.head import WEIGHTS_NAME
 
     with safe_open(os.path.join(head_dir, WEIGHTS_NAME), framework="pt") as fh:
-        d2t = fh.get_tensor("d2t") if "d2t" in fh.keys() else torch.zeros(0, dtype=torch.long)
-    check_head_against_target(DartConfig.from_pretrained(head_dir), d2t, read_target_config(target_dir))
+        keys = set(fh.keys())
+        d2t = fh.get_tensor("d2t") if "d2t" in keys else torch.zeros(0, dtype=torch.long)
+    check_head_against_target(DartConfig.from_pretrained(head_dir), d2t, read_target_config(target_dir),
+                              has_embedding=EMBED_KEY in keys)
 
 
 def is_dart() -> bool:

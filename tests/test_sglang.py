@@ -291,6 +291,26 @@ def test_server_args_come_from_the_head(tmp_path):
         resolve(*_args(target, head))
 
 
+def test_fits_target_accepts_a_head_that_carries_its_own_embedding(tmp_path):
+    """A head narrower or wider than the target runs when its checkpoint has its own token embedding table."""
+    from hf_models import tiny_target
+
+    from dart_core import DartConfig, DartHead
+    from dart_sglang.spec import check_fits_target
+
+    target = tmp_path / "target"  # hidden size 32
+    tiny_target(layers=8).save_pretrained(target)
+    head = DartHead(DartConfig(hidden_size=48, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                               vocab_size=96, draft_vocab_size=96, draft_length=3, target_hidden_size=32,
+                               num_target_layers=8))
+    head.save_pretrained(tmp_path / "no-embedding")
+    with pytest.raises(ValueError, match="no embed_tokens.weight"):
+        check_fits_target(str(tmp_path / "no-embedding"), str(target))
+    head.set_input_embeddings(torch.nn.Embedding(96, 48), save_with_head=True)
+    head.save_pretrained(tmp_path / "own-embedding")
+    check_fits_target(str(tmp_path / "own-embedding"), str(target))
+
+
 def test_serve_launcher(tmp_path, capsys):
     from dart_cli.main import main
 
