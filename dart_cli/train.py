@@ -34,6 +34,7 @@ def add_distill(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=256, help="answer length limit (default 256)")
     p.add_argument("--limit", type=int, metavar="N", help="use only the first N prompts")
     p.add_argument("--seed", type=int, default=0, help="shuffle seed of --mixed (default 0)")
+    p.add_argument("--device", default="auto", help="auto (default: CUDA when available), cpu, cuda, cuda:N")
     p.add_argument("--threads", type=int, metavar="N", help="torch CPU threads")
     p.set_defaults(run=_run_distill)
 
@@ -60,9 +61,10 @@ def read_prompts(path: str, field: str) -> list[str]:
 
 def _run_distill(args: argparse.Namespace) -> int:
     from dart_train.data import distill, write_text_shards
-    from dart_train.trainer import load_target
+    from dart_train.trainer import load_target, resolve_device
 
     _threads(args.threads)
+    device = resolve_device(args.device)
     for name in ("batch_size", "max_new_tokens"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
@@ -86,7 +88,7 @@ def _run_distill(args: argparse.Namespace) -> int:
         prompts = mixed_prompts(args.mixed, seed=args.seed)
     if args.limit is not None:
         prompts = prompts[: args.limit]
-    model, tokenizer = load_target(args.target, with_tokenizer=True)
+    model, tokenizer = load_target(args.target, device, with_tokenizer=True)
     written = distill(model, tokenizer, prompts, args.out, batch_size=args.batch_size,
                       max_new_tokens=args.max_new_tokens)
     print(f"{len(prompts)} prompts: wrote {written} new shard(s) to {args.out}")
@@ -165,22 +167,37 @@ def add_train(sub) -> None:
     p.add_argument("--device", default=d.device, help="auto (default), cpu, cuda, cuda:N")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint-latest")
     p.add_argument("--stop-at", type=int, metavar="STEP", help="stop after this step (checkpoint written)")
+    p.add_argument("--time-budget", type=float, metavar="SECONDS",
+                   help="seconds for the whole run, loading included: the step count (and so the cosine schedule) "
+                        "is fitted to it after a timed warm-up, replacing --steps; the run always ends with the "
+                        "final evaluation and a saved head")
+    p.add_argument("--max-skipped-steps", type=int, default=d.max_skipped_steps,
+                   help="stop after this many consecutive steps with a non-finite loss or gradient (such steps "
+                        f"never change the weights; default {d.max_skipped_steps})")
     p.add_argument("--threads", type=int, metavar="N", help="torch CPU threads")
     p.add_argument("--no-progress", action="store_false", dest="progress", help="no progress bar")
     p.set_defaults(run=_run_train)
 
 
 def _run_train(args: argparse.Namespace) -> int:
-    from dart_train.trainer import TrainConfig, train
+    from dart_train.trainer import TrainConfig, TrainingDiverged, train
 
     _threads(args.threads)
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
     cfg.validate()  # before loading the target: bad input fails fast
-    summary = train(cfg)
+    try:
+        summary = train(cfg)
+    except TrainingDiverged as err:
+        print(f"dart-spec train: stopped: {err}", file=sys.stderr)
+        return 1
     if "head" in summary:
         ev = summary.get("eval") or {}
         extra = "".join(f", {k} {ev[k]:.3f}" for k in ("loss", "tau") if k in ev)
+        if summary.get("skipped_steps"):
+            extra += f", {summary['skipped_steps']} step(s) skipped (non-finite loss or gradient)"
+        if "seconds" in summary:
+            extra += f", {summary['seconds']:.0f} s of a {cfg.time_budget:.0f} s budget"
         print(f"step {summary['step']}: wrote {summary['head']}{extra}")
     else:
         print(f"stopped at step {summary['step']}; checkpoint in {summary['out']}")

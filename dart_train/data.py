@@ -74,7 +74,9 @@ def distill(model, tokenizer, prompts: Sequence[str], out_dir: str | os.PathLike
         texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                                tokenize=False) for p in batch]
         enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-        result = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
+        result = model.generate(**enc.to(model.device), max_new_tokens=max_new_tokens, do_sample=False,
+                                pad_token_id=pad).cpu()
+        enc = enc.to("cpu")
         sequences, prompt_lengths = [], []
         width = enc["input_ids"].shape[1]
         for row, mask in zip(result, enc["attention_mask"]):

@@ -71,16 +71,32 @@ def training_visibility(anchors: torch.Tensor, num_real: int, draft_length: int)
 
 
 # ---- the training forward -------------------------------------------------------------------------------------------
-def training_forward(head: DartHead, aux: torch.Tensor, shifted_ids: torch.Tensor,
-                     anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def clear_padding(aux: torch.Tensor, shifted_ids: torch.Tensor,
+                  lengths: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """aux [B, N, 3*Ht] and shifted_ids [B, N] with the rows at or past `lengths` [B] (right padding) set to 0.
+
+    Padding rows are hidden from every valid row by the mask, but attention multiplies their values by a weight of
+    exactly 0, and 0 * inf = NaN: a non-finite value in a padding row (the target's hidden state at a padded
+    position) would poison every row of the batch and, through the backward pass, the weights.
+    """
+    if lengths is None:
+        return aux, shifted_ids
+    real = torch.arange(shifted_ids.shape[1], device=shifted_ids.device)[None] < lengths.to(shifted_ids.device)[:, None]
+    return torch.where(real[..., None], aux, 0.0), torch.where(real, shifted_ids, 0)
+
+
+def training_forward(head: DartHead, aux: torch.Tensor, shifted_ids: torch.Tensor, anchors: torch.Tensor,
+                     lengths: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """aux [B, N, 3*Ht], shifted_ids [B, N] (row i embeds x[i+1]), anchors [B, A] in 0..N-1 ->
     (real_logits [B, N, Vd] = prediction k=0 of every real row, block_logits [B, A, D, Vd] = predictions k=1..D).
 
-    Rows past a batch row's length (right padding) only disturb later padding rows, never valid ones, as long as
-    every anchor lies inside its row's real rows.
+    `lengths` [B] (default N): real rows of each batch row; rows past it (right padding) are cleared
+    (`clear_padding`) and only disturb later padding rows, never valid ones, as long as every anchor lies inside its
+    row's real rows.
     """
     if head.get_input_embeddings() is None:
         raise RuntimeError("the head has no input embeddings: call head.set_input_embeddings(...) first")
+    aux, shifted_ids = clear_padding(aux, shifted_ids, lengths)
     b, n = shifted_ids.shape
     a = anchors.shape[1]
     cfg = head.config
@@ -104,8 +120,8 @@ def training_forward(head: DartHead, aux: torch.Tensor, shifted_ids: torch.Tenso
     return logits[:, :n], logits[:, n:].reshape(b, a, d, -1)
 
 
-def eagle3_training_forward(head: Eagle3Head, aux: torch.Tensor, shifted_ids: torch.Tensor,
-                            anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def eagle3_training_forward(head: Eagle3Head, aux: torch.Tensor, shifted_ids: torch.Tensor, anchors: torch.Tensor,
+                            lengths: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The EAGLE3-style drafter unrolled over its D+1 steps with the teacher's tokens ("training-time test").
 
     Same inputs and outputs as `training_forward`: real_logits [B, N, Vd] (step 0 at every real row) and
@@ -116,6 +132,7 @@ def eagle3_training_forward(head: Eagle3Head, aux: torch.Tensor, shifted_ids: to
     """
     if head.get_input_embeddings() is None:
         raise RuntimeError("the head has no input embeddings: call head.set_input_embeddings(...) first")
+    aux, shifted_ids = clear_padding(aux, shifted_ids, lengths)
     b, n = shifted_ids.shape
     a = anchors.shape[1]
     h_real, k_real, v_real, _ = head.real_rows(aux, shifted_ids)  # [B, N, H], [B, kv, N, hd]
@@ -142,10 +159,10 @@ class TrainingForward(nn.Module):
         super().__init__()
         self.head = head
 
-    def forward(self, aux, shifted_ids, anchors):
+    def forward(self, aux, shifted_ids, anchors, lengths=None):
         if isinstance(self.head, Eagle3Head):
-            return eagle3_training_forward(self.head, aux, shifted_ids, anchors)
-        return training_forward(self.head, aux, shifted_ids, anchors)
+            return eagle3_training_forward(self.head, aux, shifted_ids, anchors, lengths)
+        return training_forward(self.head, aux, shifted_ids, anchors, lengths)
 
 
 # ---- anchors --------------------------------------------------------------------------------------------------------
@@ -226,8 +243,6 @@ def dart_loss(real_logits: torch.Tensor, block_logits: torch.Tensor, target_logi
     # k = 0: real row p predicts x[p+2] from the target's distribution at p+1
     p = torch.arange(n, device=device)[None]
     eligible0 = (p + 2 < seq_lengths) & (p + 2 >= prompt_lengths)  # [B, N]
-    kl0, agree0 = kl_and_agreement(target_logits[:, 1: n + 1], real_logits)
-
     # k = 1..D: block row j of anchor p predicts x[p+2+j] from the target's distribution at p+1+j
     j = torch.arange(1, d + 1, device=device)
     predicted = anchors.to(device)[:, :, None] + 2 + j  # [B, A, D]
@@ -235,13 +250,17 @@ def dart_loss(real_logits: torch.Tensor, block_logits: torch.Tensor, target_logi
     eligible &= anchor_valid.to(device)[:, :, None]
     src = (predicted - 1).clamp(max=target_logits.shape[1] - 1)  # [B, A, D]
     rows = torch.arange(b, device=device)[:, None, None]
-    klk, agreek = kl_and_agreement(target_logits[rows, src], block_logits)  # [B, A, D]
 
-    zero = torch.zeros((), dtype=kl0.dtype, device=device)
-    kl_sum = torch.cat((torch.where(eligible0, kl0, zero).sum()[None],
-                        torch.where(eligible, klk, zero).sum(dim=(0, 1))))  # [D+1], differentiable
+    # only eligible predictions enter the softmaxes: an ineligible row may hold anything (padding, a non-finite
+    # value), and a masked-out NaN would still poison the gradient (0 * NaN) if it were computed
+    kl0, agree0 = kl_and_agreement(target_logits[:, 1: n + 1][eligible0], real_logits[eligible0])  # [E0]
+    klk, agreek = kl_and_agreement(target_logits[rows, src][eligible], block_logits[eligible])  # [Ek]
+    k_of = j.expand_as(eligible)[eligible] - 1  # [Ek] position k-1 of each eligible block prediction
+
+    kl_sum = torch.cat((kl0.sum()[None], torch.zeros(d, dtype=klk.dtype, device=device).index_add(0, k_of, klk)))
     count = torch.cat((eligible0.sum()[None], eligible.sum(dim=(0, 1)))).to(torch.float64)
-    correct = torch.cat(((agree0 & eligible0).sum()[None], (agreek & eligible).sum(dim=(0, 1)))).to(torch.float64)
+    correct = torch.cat((agree0.sum()[None], torch.zeros(d, dtype=torch.long, device=device).index_add(
+        0, k_of, agreek.long()))).to(torch.float64)
     weights = gamma ** torch.arange(d + 1, device=device, dtype=kl_sum.dtype)
     loss = (weights * kl_sum / count.clamp(min=1).to(kl_sum.dtype)).sum()
     return LossOutput(loss=loss, kl_sum=kl_sum.detach().to(torch.float64), correct=correct, count=count)

@@ -20,6 +20,7 @@ only rank 0 writes files. The loss is averaged per rank and DDP averages gradien
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import hashlib
@@ -98,13 +99,15 @@ class TrainConfig:
     device: str = "auto"
     resume: bool = False
     stop_at: Optional[int] = None  # stop after this step (checkpoint written), e.g. for time-boxed jobs
+    time_budget: Optional[float] = None  # seconds for the whole run: `steps` is fitted to it (see Trainer.run)
+    max_skipped_steps: int = 10  # consecutive steps with a non-finite loss or gradient before the run stops
     progress: bool = True
 
     def validate(self) -> None:
         if not self.data:
             raise ValueError("no training data: give at least one data directory")
         positive = ("draft_length", "draft_vocab_size", "seq_len", "batch_size", "anchors_per_seq", "steps",
-                    "eval_every", "checkpoint_every", "log_every", "ngram_order")
+                    "eval_every", "checkpoint_every", "log_every", "ngram_order", "max_skipped_steps")
         for name in positive:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -133,9 +136,14 @@ class TrainConfig:
             raise ValueError(f"save_dtype must be one of {', '.join(SAVE_DTYPES)}, got {self.save_dtype!r}")
         if self.stop_at is not None and self.stop_at < 1:
             raise ValueError(f"stop_at must be >= 1, got {self.stop_at!r}")
+        if self.time_budget is not None and not (isinstance(self.time_budget, (int, float))
+                                                 and not isinstance(self.time_budget, bool)
+                                                 and math.isfinite(self.time_budget) and self.time_budget > 0):
+            raise ValueError(f"time_budget must be a positive number of seconds, got {self.time_budget!r}")
         for d in self.data:
             if not os.path.isdir(d):
                 raise FileNotFoundError(f"data directory not found: {d}")
+        resolve_device(self.device)
         if self.init_from is not None and not os.path.isdir(self.init_from):
             raise FileNotFoundError(f"--init-from head directory not found: {self.init_from}")
 
@@ -277,7 +285,25 @@ def load_init_head(path: str, head_class: type) -> DartHead:
     return head_class.from_pretrained(path, load_ngram=False)
 
 
-# ---- schedule, checkpoints ----------------------------------------------------------------------------------------
+# ---- schedule, time budget, checkpoints -----------------------------------------------------------------------------
+class TrainingDiverged(RuntimeError):
+    """Too many consecutive steps had a non-finite loss or gradient; the weights hold the last finite update."""
+
+
+# steps the time budget skips before timing (the first steps are slow: allocator, kernel selection) and times
+BUDGET_WARMUP_STEPS = {"cuda": 20, "cpu": 3}
+BUDGET_TIMED_STEPS = {"cuda": 10, "cpu": 5}
+UNFITTED_STEPS = 2**62
+TAU_STEP_S = 0.06  # a DART decoding step of a ~100M target, CPU or GPU, for the budget's final reserve
+
+
+def fit_steps(remaining_s: float, step_s: float, eval_s: float, eval_every: int, done: int) -> int:
+    """Total optimizer steps that fit in `remaining_s` seconds after `done` steps: each step costs `step_s`, each
+    periodic evaluation (every `eval_every` steps) and the final one cost `eval_s`. At least `done + 1`."""
+    more = max(0.0, remaining_s - eval_s) / (step_s + eval_s / eval_every)
+    return done + max(1, int(more))
+
+
 def lr_factor(step: int, warmup: int, total: int) -> float:
     """Linear warmup over `warmup` steps, then cosine decay to 0 at `total`."""
     if warmup and step < warmup:
@@ -369,15 +395,31 @@ class Dist:
         return self.rank == 0
 
 
+def resolve_device(spec: str, local_rank: int = 0) -> torch.device:
+    """"auto" (CUDA when available, else the CPU), "cpu", "cuda" or "cuda:N" -> a device this machine has;
+    ValueError naming the problem otherwise."""
+    if spec == "auto":
+        spec = "cuda" if torch.cuda.is_available() else "cpu"
+    if spec == "cpu":
+        return torch.device("cpu")
+    if spec == "cuda" or (spec.startswith("cuda:") and spec[5:].isdigit()):
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {spec}: this machine has no CUDA device (torch {torch.__version__}, "
+                             f"CUDA build: {torch.version.cuda or 'no'}); use --device cpu or auto")
+        index = local_rank if spec == "cuda" else int(spec[5:])
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"--device {spec}: there are {torch.cuda.device_count()} CUDA device(s)")
+        return torch.device("cuda", index)
+    raise ValueError(f"--device {spec!r} is not one of auto, cpu, cuda, cuda:N")
+
+
 def init_distributed(device: str) -> tuple[Dist, torch.device]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     dist = Dist(int(os.environ.get("RANK", "0")), world, int(os.environ.get("LOCAL_RANK", "0")))
-    use_cuda = torch.cuda.is_available() if device == "auto" else device.startswith("cuda")
+    dev = resolve_device(device, dist.local_rank)
+    use_cuda = dev.type == "cuda"
     if use_cuda:
-        dev = torch.device("cuda", dist.local_rank) if device in ("auto", "cuda") else torch.device(device)
         torch.cuda.set_device(dev)
-    else:
-        dev = torch.device("cpu" if device == "auto" else device)
     if world > 1 and not torch.distributed.is_initialized():
         torch.distributed.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(hours=2))
     return dist, dev
@@ -395,7 +437,10 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, model=None) -> None:
         cfg.validate()
+        self.started = time.perf_counter()  # the time budget counts from here: data and target loading included
         self.cfg = cfg
+        # with a time budget, `run` fits the step count (kept by checkpoints); until then the schedule is open-ended
+        self.total_steps = cfg.steps if cfg.time_budget is None else UNFITTED_STEPS
         self.dist, self.device = init_distributed(cfg.device)
         self.out = Path(cfg.out)
         sequences = load_sequences(cfg.data)
@@ -429,6 +474,8 @@ class Trainer:
                                  + ", ".join(f"{k} {saved[k]!r} -> {getattr(cfg, k)!r}" for k in diff))
             head = HEAD_CLASSES[cfg.mode].from_pretrained(ckpt, load_ngram=False)
             self.start_step = int(resume_state["step"])
+            if cfg.time_budget is None:
+                self.total_steps = int(resume_state.get("total_steps", cfg.steps))
         else:
             head = build_head(model, cfg, self.train_sequences)
         head.to(self.device)
@@ -440,6 +487,9 @@ class Trainer:
         # target ids of the draft vocabulary: the teacher logits are taken at these columns
         self.vocab_ids = head.draft_to_target(torch.arange(head.config.draft_vocab_size, device=self.device))
 
+        # the n-gram of the training data, attached to the final head; built first so a time budget counts it
+        self.ngram = NGramModel.build([t for t, _ in self.train_sequences], order=cfg.ngram_order,
+                                      vocab_size=head.config.vocab_size) if cfg.ngram and self.dist.main else None
         self.forward = TrainingForward(head)
         if self.dist.world > 1:
             from torch.nn.parallel import DistributedDataParallel
@@ -449,7 +499,7 @@ class Trainer:
                 broadcast_buffers=False)
         self.optimizer = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: lr_factor(s, cfg.warmup_steps, cfg.steps))
+            self.optimizer, lambda s: lr_factor(s, cfg.warmup_steps, self.total_steps))
         self.evals_done = 0
         if resume_state is not None:
             self.optimizer.load_state_dict(resume_state["optimizer"])
@@ -465,23 +515,38 @@ class Trainer:
 
     # -- data order: a pure function of (seed, step), so resuming needs only the step
     def samples_for(self, step: int) -> list[tuple[np.ndarray, int]]:
-        cfg, n = self.cfg, len(self.train_windows)
-        per_step = cfg.batch_size * self.dist.world
-        first = step * per_step + self.dist.rank * cfg.batch_size
-        out = []
-        for g in range(first, first + cfg.batch_size):
-            epoch, pos = divmod(g, n)
-            out.append(self.train_windows[int(self._epoch_order(epoch)[pos])])
-        return out
+        """This process's `batch_size` windows of global step `step`."""
+        batches = self._epoch_batches(step // self._batches_per_epoch)
+        batch = batches[step % self._batches_per_epoch]
+        mine = batch[self.dist.rank * self.cfg.batch_size: (self.dist.rank + 1) * self.cfg.batch_size]
+        return [self.train_windows[int(i)] for i in mine]
 
-    def _epoch_order(self, epoch: int) -> torch.Tensor:
-        """The shuffled window order of `epoch` (seeded by seed and epoch; the last two epochs are cached)."""
-        cache = self.__dict__.setdefault("_orders", {})
+    @property
+    def _batches_per_epoch(self) -> int:
+        return max(1, len(self.train_windows) // (self.cfg.batch_size * self.dist.world))
+
+    def _epoch_batches(self, epoch: int) -> torch.Tensor:
+        """[batches, batch_size * world] window indices of `epoch`: a seeded shuffle, cut into groups of 64 batches,
+        each group sorted by window length and cut into batches (little padding), the batches in seeded order. An
+        epoch smaller than one batch repeats windows."""
+        cache = self.__dict__.setdefault("_batches", {})
         if epoch not in cache:
             if len(cache) >= 2:
                 cache.pop(min(cache))
-            seed = self.cfg.seed * 1_000_003 + epoch
-            cache[epoch] = torch.randperm(len(self.train_windows), generator=torch.Generator().manual_seed(seed))
+            per = self.cfg.batch_size * self.dist.world
+            n = len(self.train_windows)
+            g = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + epoch)
+            order = torch.randperm(n, generator=g)
+            if n < per:
+                order = order.repeat(per // n + 1)
+            order = order[: self._batches_per_epoch * per]
+            lengths = torch.tensor([len(self.train_windows[int(i)][0]) for i in order])
+            group = 64 * per
+            for start in range(0, order.numel(), group):
+                part = slice(start, start + group)
+                order[part] = order[part][torch.sort(lengths[part], stable=True).indices]
+            batches = order.view(-1, per)
+            cache[epoch] = batches[torch.randperm(batches.shape[0], generator=g)]
         return cache[epoch]
 
     def _anchor_generator(self, step: int) -> torch.Generator:
@@ -497,11 +562,9 @@ class Trainer:
         anchors, valid = choose_anchors(batch.lengths.cpu(), batch.prompt_lengths.cpu(), self.cfg.anchors_per_seq,
                                         self.head.config.draft_length, generator)
         anchors, valid = anchors.to(self.device), valid.to(self.device)
-        if self.autocast is not None:
-            with self.autocast:
-                real, blocks = self.forward(aux[:, :-1], batch.input_ids[:, 1:], anchors)
-        else:
-            real, blocks = self.forward(aux[:, :-1], batch.input_ids[:, 1:], anchors)
+        real_rows = batch.lengths - 1  # row i pairs aux[i] with x[i+1]
+        with self.autocast if self.autocast is not None else contextlib.nullcontext():
+            real, blocks = self.forward(aux[:, :-1], batch.input_ids[:, 1:], anchors, real_rows)
         out = dart_loss(real, blocks, teacher, anchors, valid, batch.lengths, batch.prompt_lengths, self.cfg.gamma)
         return out, t1 - t0, time.perf_counter() - t1
 
@@ -511,14 +574,18 @@ class Trainer:
         out, t_target, t_fwd = self.compute(batch, self._anchor_generator(step))
         t0 = time.perf_counter()
         out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.head.parameters(), self.cfg.grad_clip)
-        self.optimizer.step()
+        norm = torch.nn.utils.clip_grad_norm_(self.head.parameters(), self.cfg.grad_clip)
+        # a non-finite loss or gradient never reaches the weights or the optimizer state (every rank agrees)
+        bad = _all_reduce((~(torch.isfinite(out.loss.detach()) & torch.isfinite(norm))).float()[None], self.dist)
+        skipped = bool(bad.item() > 0)
+        if not skipped:
+            self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._sync()
         t_head = t_fwd + time.perf_counter() - t0
         return {"loss": float(out.loss.detach()), "kl_sum": out.kl_sum, "correct": out.correct, "count": out.count,
-                "tokens": batch.num_tokens, "target_s": t_target, "head_s": t_head}
+                "tokens": batch.num_tokens, "target_s": t_target, "head_s": t_head, "skipped": skipped}
 
     def _sync(self) -> None:
         if self.device.type == "cuda":  # honest per-phase timings
@@ -592,68 +659,94 @@ class Trainer:
     def _checkpoint(self, step: int) -> None:
         if self.dist.main:
             save_checkpoint(self.out, self.head, self.optimizer, self.scheduler,
-                            {"step": step, "samples_seen": step * self.cfg.batch_size * self.dist.world,
+                            {"step": step, "total_steps": self.total_steps,
+                             "samples_seen": step * self.cfg.batch_size * self.dist.world,
                              "evals_done": self.evals_done, "config": dataclasses.asdict(self.cfg)})
         if self.dist.world > 1:
             torch.distributed.barrier()
 
     def run(self) -> dict:
-        """Train from `start_step` to `steps` (or `stop_at`); returns a summary dict."""
+        """Train from `start_step` to `total_steps` (or `stop_at`); returns a summary dict.
+
+        With `time_budget` (`_Budget`), the run times its steps after a warm-up (`BUDGET_WARMUP_STEPS`), fits
+        `total_steps` (and so the cosine schedule) to what is left of the budget after every step from
+        `BUDGET_TIMED_STEPS` on (`fit_steps`, periodic and final evaluations included), and, should it still run
+        late, ends early: the final evaluation and the saved head always come inside the budget.
+        """
         from tqdm import tqdm
 
         cfg = self.cfg
-        end = min(cfg.steps, cfg.stop_at) if cfg.stop_at is not None else cfg.steps
         d = self.head.config.draft_length
-        bar = tqdm(total=cfg.steps, initial=self.start_step, desc="train", unit="step",
+        bar = tqdm(total=None if self.total_steps == UNFITTED_STEPS else self.total_steps, initial=self.start_step,
+                   desc="train", unit="step",
                    disable=not (cfg.progress and self.dist.main), dynamic_ncols=True)
         window = {"kl_sum": torch.zeros(d + 1, dtype=torch.float64), "correct": torch.zeros(d + 1, dtype=torch.float64),
                   "count": torch.zeros(d + 1, dtype=torch.float64), "loss": 0.0, "n": 0, "tokens": 0,
-                  "target_s": 0.0, "head_s": 0.0, "t0": time.perf_counter()}
-        last_eval, losses = None, []
+                  "target_s": 0.0, "head_s": 0.0, "skipped": 0, "t0": time.perf_counter()}
+        budget = _Budget(self) if cfg.time_budget is not None else None
+        last_eval, losses, skipped_total, skipped_in_a_row = None, [], 0, 0
         step = self.start_step
-        while step < end:
+        while step < (min(self.total_steps, cfg.stop_at) if cfg.stop_at is not None else self.total_steps):
+            t_step = time.perf_counter()
             result = self.train_step(step)
+            t_step = time.perf_counter() - t_step
             step += 1
             losses.append(result["loss"])
+            skipped_in_a_row = skipped_in_a_row + 1 if result["skipped"] else 0
+            skipped_total += result["skipped"]
+            if skipped_in_a_row >= cfg.max_skipped_steps:
+                self._checkpoint(step)  # the weights are those of the last finite update
+                raise TrainingDiverged(
+                    f"{skipped_in_a_row} consecutive steps (up to step {step}) had a non-finite loss or gradient; "
+                    f"none of them changed the weights. The checkpoint in {self.out / CHECKPOINT_DIR} holds the last "
+                    f"finite state: lower --lr (now {cfg.lr}) or check the data, then --resume")
+            if budget is not None and budget.after_step(step, t_step, bar):
+                self.total_steps = step  # late: end the schedule here
             for k in ("kl_sum", "correct", "count"):
                 window[k] += result[k].cpu()
-            for k in ("loss", "tokens", "target_s", "head_s"):
+            for k in ("loss", "tokens", "target_s", "head_s", "skipped"):
                 window[k] += result[k]
             window["n"] += 1
             elapsed = time.perf_counter() - window["t0"]
             acc = (window["correct"] / window["count"].clamp(min=1)).tolist()
             tok_s = window["tokens"] * self.dist.world / max(elapsed, 1e-9)
             bar.set_postfix_str(f"loss {window['loss'] / window['n']:.3f} acc " +
-                                "/".join(f"{a:.2f}" for a in acc[:3]) + f" {tok_s:.0f} tok/s")
+                                "/".join(f"{a:.2f}" for a in acc[:3]) + f" {tok_s:.0f} tok/s"
+                                + (f" skipped {skipped_total}" if skipped_total else ""))
             bar.update(1)
+            end = min(self.total_steps, cfg.stop_at) if cfg.stop_at is not None else self.total_steps
             if step % cfg.log_every == 0 or step == end:
                 self._log("train.jsonl", {"step": step, "loss": window["loss"] / window["n"], "acc": acc,
                                           "lr": self.scheduler.get_last_lr()[0], "tokens_per_s": tok_s,
                                           "target_s_per_step": window["target_s"] / window["n"],
-                                          "head_s_per_step": window["head_s"] / window["n"]})
+                                          "head_s_per_step": window["head_s"] / window["n"],
+                                          "skipped_steps": window["skipped"], "total_steps": self.total_steps})
                 window.update(kl_sum=window["kl_sum"] * 0, correct=window["correct"] * 0,
                               count=window["count"] * 0, loss=0.0, n=0, tokens=0, target_s=0.0, head_s=0.0,
-                              t0=time.perf_counter())
-            finished = step == cfg.steps
-            if step % cfg.eval_every == 0 and not finished:
+                              skipped=0, t0=time.perf_counter())
+            if step % cfg.eval_every == 0 and step != self.total_steps:
+                t_eval = time.perf_counter()
                 last_eval = self._eval_and_log(step, final=False)
+                if budget is not None:
+                    budget.evaluated(time.perf_counter() - t_eval)
                 if last_eval is not None and self.dist.main:
                     bar.write(f"step {step}: held-out loss {last_eval.get('loss', float('nan')):.4f} acc "
                               + "/".join(f"{a:.2f}" for a in last_eval.get("acc", [])[:4]))
             if step % cfg.checkpoint_every == 0 or step == end:
                 self._checkpoint(step)
         bar.close()
-        summary = {"step": step, "losses": losses, "out": str(self.out)}
-        if step == cfg.steps:
+        summary = {"step": step, "losses": losses, "out": str(self.out), "skipped_steps": skipped_total}
+        if step == self.total_steps:
             if self.head.tree_config is None:  # the search settings travel with the head; EOS is the target's
                 self.head.tree_config = self.head.default_tree_config(first_eos(self.model.generation_config))
-            if cfg.ngram:
-                self.head.ngram = NGramModel.build([t for t, _ in self.train_sequences], order=cfg.ngram_order,
-                                                   vocab_size=self.head.config.vocab_size)
+            if self.ngram is not None:
+                self.head.ngram = self.ngram
             summary["eval"] = self._eval_and_log(step, final=True)
             if self.dist.main:
                 self.save_head(self.out / "head")
             summary["head"] = str(self.out / "head")
+            if cfg.time_budget is not None:
+                summary["seconds"] = time.perf_counter() - self.started
         if self.dist.world > 1:
             torch.distributed.barrier()
         return summary
@@ -666,6 +759,49 @@ class Trainer:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+
+
+class _Budget:
+    """The time budget of one `Trainer.run`: times the steps after a warm-up, fits `total_steps` to the time left
+    after every step from then on (so the cosine schedule follows the measured pace), and says when the run must end
+    to finish (final evaluation, n-gram, saved head) inside the budget."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+        kind = "cuda" if trainer.device.type == "cuda" else "cpu"
+        self.first_timed = trainer.start_step + BUDGET_WARMUP_STEPS[kind]
+        self.last_timed = self.first_timed + BUDGET_TIMED_STEPS[kind]
+        self.deadline = trainer.started + trainer.cfg.time_budget
+        self.timed_s, self.timed_steps, self.all_s = 0.0, 0, 0.0
+        self.eval_s: Optional[float] = None  # measured at the first periodic evaluation
+        # after the final evaluation: the tau measurement (at most TAU_STEP_S a decoding step) and saving
+        cfg = trainer.cfg
+        self.extras_s = 0.05 * cfg.time_budget + TAU_STEP_S * cfg.tau_prompts * cfg.tau_max_new_tokens
+
+    def evaluated(self, seconds: float) -> None:
+        self.eval_s = seconds
+
+    def after_step(self, step: int, step_s: float, bar) -> bool:
+        """Called after each step (`step` steps done, the last took `step_s` s); True when the run must end now."""
+        trainer, cfg, now = self.trainer, self.trainer.cfg, time.perf_counter()
+        self.all_s += step_s
+        if step > self.first_timed:
+            self.timed_s += step_s
+            self.timed_steps += 1
+        timed = step >= self.last_timed
+        # before the timed steps are in, the (slower) warm-up steps stand in for the pace
+        mean_s = self.timed_s / self.timed_steps if timed else self.all_s / (step - trainer.start_step)
+        eval_batches = math.ceil(min(cfg.eval_sequences, len(trainer.heldout_windows)) / cfg.batch_size)
+        eval_s = self.eval_s if self.eval_s is not None else eval_batches * mean_s  # the target forward dominates both
+        if not timed:
+            return now + mean_s + eval_s + self.extras_s > self.deadline
+        first_fit = trainer.total_steps == UNFITTED_STEPS
+        trainer.total_steps = fit_steps(self.deadline - now - self.extras_s, mean_s, eval_s, cfg.eval_every, step)
+        if first_fit:
+            trainer._log("train.jsonl", {"step": step, "time_budget_s": cfg.time_budget, "step_s": mean_s,
+                                         "fitted_steps": trainer.total_steps})
+        bar.total = trainer.total_steps
+        return now + mean_s + eval_s + self.extras_s > self.deadline
 
 
 def train(cfg: TrainConfig, model=None) -> dict:

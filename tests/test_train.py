@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ from safetensors.torch import load_file
 import dart_train.loss as loss_mod
 from dart_cli.main import main
 from dart_core import DartHead, NGramModel, TreeConfig
-from dart_train.data import read_shards
+from dart_train.data import read_shards, write_shard
 from dart_train.features import collate, target_features
 from dart_train.loss import (anchor_range, choose_anchors, dart_loss, kl_and_agreement, training_forward,
                              training_visibility)
@@ -351,3 +352,132 @@ def test_read_prompts(tmp_path):
     bad.write_text('{"prompt": "ok"}\nnot json\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:2: not valid JSON"):
         read_prompts(str(bad), "prompt")
+
+
+# ---- robustness: non-finite values, time budget, length buckets -------------------------------------------------------
+@pytest.mark.parametrize("autocast", [False, True])
+def test_non_finite_padding_rows_reach_neither_the_loss_nor_the_gradients(autocast):
+    head, aux, ids, anchors = _head_and_inputs(0, 4, n=12)
+    anchors = torch.tensor([[0, 3, 9], [1, 2, 5]])
+    valid = torch.ones(2, 3, dtype=torch.bool)
+    real_rows = torch.tensor([12, 7])  # row 1: 7 real rows, then right padding
+    teacher = torch.randn(2, 13, head.config.draft_vocab_size, generator=torch.Generator().manual_seed(1))
+    seq_lengths, prompts = real_rows + 1, torch.tensor([0, 0])
+
+    def loss_and_grads(aux):
+        head.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            real, blocks = training_forward(head, aux, ids, anchors, real_rows)
+        out = dart_loss(real, blocks, teacher, anchors, valid, seq_lengths, prompts)
+        out.loss.backward()
+        return out.loss.detach(), [p.grad.clone() for p in head.parameters() if p.grad is not None]
+
+    clean_loss, clean_grads = loss_and_grads(aux)
+    poisoned = aux.clone()
+    poisoned[1, 7:] = float("inf")  # what a target could leave at padded positions
+    poisoned[1, 9, 0] = float("nan")
+    loss, grads = loss_and_grads(poisoned)
+    assert torch.isfinite(loss) and all(torch.isfinite(g).all() for g in grads)
+    assert torch.equal(loss, clean_loss) and all(torch.equal(a, b) for a, b in zip(grads, clean_grads))
+
+
+def _poison_gradients_at(trainer, steps: set[int]):
+    """Make the loss of the given steps (0-based) non-finite: the gradient then is too."""
+    compute = trainer.compute
+    calls = {"n": 0}
+
+    def poisoned(batch, generator):
+        out, t_target, t_head = compute(batch, generator)
+        if trainer.head.training:
+            if calls["n"] in steps:
+                out.loss = out.loss * float("nan")
+            calls["n"] += 1
+        return out, t_target, t_head
+
+    trainer.compute = poisoned
+
+
+def test_a_non_finite_step_changes_neither_weights_nor_optimizer_state(tiny_run, tmp_path):
+    root, target = tiny_run
+    trainer = Trainer(_config(root, tmp_path / "skip", steps=4, log_every=1), model=target)
+    _poison_gradients_at(trainer, {2})
+    trainer.train_step(0)
+    trainer.train_step(1)
+    weights = {k: v.clone() for k, v in trainer.head.state_dict().items()}
+    moments = {i: s["exp_avg"].clone() for i, s in trainer.optimizer.state_dict()["state"].items()}
+    result = trainer.train_step(2)
+    assert result["skipped"] and not math.isfinite(result["loss"])
+    assert all(torch.equal(v, trainer.head.state_dict()[k]) for k, v in weights.items())
+    assert all(torch.equal(m, trainer.optimizer.state_dict()["state"][i]["exp_avg"]) for i, m in moments.items())
+    assert not trainer.train_step(3)["skipped"]
+    assert all(torch.isfinite(p).all() for p in trainer.head.parameters())
+
+
+def test_the_skip_count_is_logged_and_the_run_finishes(tiny_run, tmp_path):
+    root, target = tiny_run
+    trainer = Trainer(_config(root, tmp_path / "log", steps=6, log_every=3), model=target)
+    _poison_gradients_at(trainer, {1, 4})
+    summary = trainer.run()
+    assert summary["skipped_steps"] == 2 and "head" in summary
+    logged = [json.loads(line) for line in (tmp_path / "log" / "train.jsonl").read_text().splitlines()]
+    assert [r["skipped_steps"] for r in logged] == [1, 1]
+    assert all(torch.isfinite(p).all() for p in DartHead.from_pretrained(tmp_path / "log" / "head").parameters())
+
+
+def test_consecutive_non_finite_steps_stop_with_a_clear_error(tiny_run, tmp_path):
+    from dart_train.trainer import TrainingDiverged
+
+    root, target = tiny_run
+    trainer = Trainer(_config(root, tmp_path / "nan", steps=10, max_skipped_steps=3), model=target)
+    _poison_gradients_at(trainer, set(range(2, 10)))
+    with pytest.raises(TrainingDiverged, match=r"3 consecutive steps \(up to step 5\).*lower --lr"):
+        trainer.run()
+    saved = DartHead.from_pretrained(tmp_path / "nan" / "checkpoint-latest", load_ngram=False)
+    assert all(torch.isfinite(p).all() for p in saved.parameters())
+    assert not (tmp_path / "nan" / "head").exists()
+
+
+def test_fit_steps():
+    from dart_train.trainer import fit_steps
+
+    # 100 s left, 1 s a step, evaluations of 10 s every 20 steps: (100 - 10) / (1 + 0.5) = 60 steps more
+    assert fit_steps(100.0, 1.0, 10.0, 20, done=8) == 68
+    assert fit_steps(1.0, 1.0, 10.0, 20, done=8) == 9  # always at least one more step
+
+
+def test_time_budget_fits_the_schedule_and_ends_with_a_saved_head(tiny_run, tmp_path):
+    root, target = tiny_run
+    budget = 5.0
+    cfg = _config(root, tmp_path / "budget", steps=3, time_budget=budget, eval_every=200, log_every=50)
+    t0 = time.perf_counter()
+    summary = train(cfg, model=target)
+    took = time.perf_counter() - t0
+    log = [json.loads(line) for line in (tmp_path / "budget" / "train.jsonl").read_text().splitlines()]
+    fitted = [r for r in log if "fitted_steps" in r]
+    assert len(fitted) == 1 and fitted[0]["fitted_steps"] > 3  # --steps replaced by what fits
+    assert summary["step"] >= 0.5 * fitted[0]["fitted_steps"]
+    assert log[-1]["total_steps"] == summary["step"]  # the schedule ended at the last step
+    assert "head" in summary and (tmp_path / "budget" / "head" / "model.safetensors").is_file()
+    assert took < budget + 2.0, took
+    with pytest.raises(ValueError, match="time_budget"):
+        _config(root, tmp_path / "x", time_budget=0).validate()
+
+
+def test_length_buckets_keep_padding_small_and_cover_each_window_once(tmp_path):
+    lengths = torch.randint(3, 200, (320,), generator=torch.Generator().manual_seed(0)).tolist()
+    data = tmp_path / "data"
+    data.mkdir()
+    write_shard(data / "shard-00000.npz", [[i % 96 for i in range(n)] for n in lengths], [1] * len(lengths))
+    target = tiny_target(seed=3)
+    cfg = TrainConfig(target="unused", data=[str(data)], out=str(tmp_path / "o"), batch_size=8, seq_len=256,
+                      heldout_fraction=0.0, draft_length=2, draft_vocab_size=32, intermediate_size=32,
+                      progress=False)
+    trainer = Trainer(cfg, model=target)
+    epoch = trainer._epoch_batches(0)
+    assert sorted(epoch.flatten().tolist()) == list(range(320))  # 40 batches of 8: each window once
+    batches = [trainer.samples_for(step) for step in range(40)]
+    padded = sum(8 * max(len(w) for w, _ in b) for b in batches)
+    real = sum(lengths)
+    assert padded < 1.1 * real  # unbucketed: about 1.8x
+    again = Trainer(cfg, model=target)
+    assert all([w.tolist() for w, _ in again.samples_for(s)] == [w.tolist() for w, _ in batches[s]] for s in (0, 17))
