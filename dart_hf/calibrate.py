@@ -57,7 +57,7 @@ import torch
 from dart_core import DartHead, TreeConfig
 from dart_core.io import atomic_write
 from dart_hf.loop import DartStats, dart_decoding
-from dart_hf.target import first_eos, plan_for, tree_attention_mask
+from dart_hf.target import first_eos, plan_for, tree_attention_mask, tree_forward
 
 FORMAT_VERSION = 1
 LATENCY_GRID = (1, 2, 4, 8, 16, 32, 64)
@@ -229,9 +229,7 @@ def measure_latency(model, sizes: Iterable[int], layer_ids: Sequence[int] = (), 
         chain = torch.ones(k, k, dtype=torch.bool).tril()  # the mask's shape matters, not which tree it encodes
         mask = tree_attention_mask(chain, context_length, dtype).to(device)
         positions = torch.arange(context_length, context_length + k, device=device)[None]
-        out = model(input_ids=block[:, :k], position_ids=positions, attention_mask=mask, past_key_values=cache,
-                    use_cache=True, output_hidden_states=list(layer_ids))
-        out.logits.float()
+        tree_forward(model, block[:, :k], positions, mask, cache, tuple(layer_ids)).logits.float()
 
     def plain() -> None:
         positions = torch.tensor([[context_length]], device=device)

@@ -10,9 +10,10 @@ import torch
 
 from dart_core import DartHead, DraftTreeBatch, TreeConfig, build_draft_tree, topk_draft_tokens, verify_tree
 from dart_core.eagle3 import Eagle3Head, select_draft_tree
+from dart_core.matmul import few_row_linears
 from dart_core.tree import DraftTree, score_ranks
 from dart_hf.target import (TargetPlan, check_attention, check_cache, first_eos, keep_accepted_path, plan_for,
-                            tapped_hidden_states, tree_attention_mask)
+                            tapped_hidden_states, tree_attention_mask, tree_forward)
 
 
 @dataclasses.dataclass
@@ -148,12 +149,14 @@ def dart_decoding(model, input_ids: torch.LongTensor, logits_processor, stopping
         # draft: one head forward over the new real rows (+ mask rows), then the tree search
         t0 = time.perf_counter()
         if isinstance(head, Eagle3Head):  # the baseline: D+1 autoregressive levels, then the top nodes
-            candidates = head.draft_candidates(aux_rows, head_input_ids, head_cache, tree_config.topk,
-                                               tree_config.max_depth)
+            with few_row_linears(head):
+                candidates = head.draft_candidates(aux_rows, head_input_ids, head_cache, tree_config.topk,
+                                                   tree_config.max_depth)
             t1 = time.perf_counter()
             tree = select_draft_tree(candidates, sequence[0, -1], tree_config.remain_total)
         else:
-            head_logits = head(aux_rows, head_input_ids, cache=head_cache)[0, : tree_config.max_depth]  # [<=D+1, Vd]
+            with few_row_linears(head):
+                head_logits = head(aux_rows, head_input_ids, cache=head_cache)[0, : tree_config.max_depth]  # [<=D+1, Vd]
             t1 = time.perf_counter()
             cand_tokens, cand_probs = topk_draft_tokens(head_logits, tree_config.topk, head.d2t)
             tree = build_draft_tree(cand_tokens, cand_probs, sequence[0, -context_len:], ngram, tree_config)
@@ -168,8 +171,7 @@ def dart_decoding(model, input_ids: torch.LongTensor, logits_processor, stopping
         node_positions = (past + tree.depths)[None].to(device)
         mask = tree_attention_mask(tree.ancestor_mask(), past, dtype).to(device)
         t3 = time.perf_counter()
-        out = model(input_ids=node_ids, position_ids=node_positions, attention_mask=mask, past_key_values=cache,
-                    use_cache=True, output_hidden_states=taps)
+        out = tree_forward(model, node_ids, node_positions, mask, cache, plan.layer_ids)
         stats.target_time += time.perf_counter() - t3
         logits = out.logits.float()  # [1, N, V]
         result = verify_tree(DraftTreeBatch.stack([tree]), logits, context_ids=sequence,

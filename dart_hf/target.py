@@ -9,6 +9,7 @@ import torch
 
 from dart_core import DartHead
 from dart_core.head import additive_mask, check_draft_vocab
+from dart_core.matmul import few_row_linears
 
 # attention implementations that accept an arbitrary 4D additive mask (a tree mask)
 TREE_ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
@@ -79,6 +80,16 @@ def tree_attention_mask(ancestors: torch.Tensor, past_len: int, dtype: torch.dty
     n = ancestors.shape[0]
     see = torch.cat((torch.ones(n, past_len, dtype=torch.bool, device=ancestors.device), ancestors), dim=1)
     return additive_mask(see[None], dtype)
+
+
+def tree_forward(model, node_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache,
+                 layer_ids: tuple[int, ...]):
+    """The target over one tree block appended to `cache`: node_ids / positions [1, N], additive mask
+    [1, 1, N, past+N] -> the model output (logits [1, N, V], hidden states at `layer_ids`). Few-row linear layers
+    take the faster CPU product (`dart_core.matmul`)."""
+    with few_row_linears(model):
+        return model(input_ids=node_ids, position_ids=positions, attention_mask=mask, past_key_values=cache,
+                     use_cache=True, output_hidden_states=list(layer_ids))
 
 
 def keep_accepted_path(cache, past_len: int, path: torch.Tensor) -> None:
