@@ -17,7 +17,7 @@ from safetensors import safe_open
 from dart_core import DartConfig, DartHead, NGramModel, TreeConfig
 from dart_core.config import CONFIG_NAME
 from dart_core.head import (NGRAM_FILE_KEY, NGRAM_NAME, OPTIONAL_KEYS, SGLANG_NGRAM_KEY, TREE_CONFIG_KEY,
-                             WEIGHTS_NAME, check_draft_vocab)
+                             WEIGHTS_NAME, check_draft_vocab, file_inside)
 from dart_core.io import atomic_write, load_safetensors_checked, read_json_object, save_safetensors_atomic
 
 from .staging import staged_directory
@@ -152,10 +152,11 @@ def check_head_against_target(config: DartConfig, d2t: torch.Tensor, target: dic
     return taps
 
 
-def _tree_with_eos(tree: Optional[TreeConfig], eos: Optional[int], explicit: bool) -> TreeConfig:
-    """The head's tree settings (TreeConfig defaults if none) with `eos`: an explicit EOS always wins, the target's
-    only fills a missing one."""
-    tree = tree or TreeConfig()
+def _tree_with_eos(tree: Optional[TreeConfig], eos: Optional[int], explicit: bool,
+                   draft_vocab_size: int) -> TreeConfig:
+    """The head's tree settings (if none: the defaults, with topk at most the draft vocabulary) with `eos`: an
+    explicit EOS always wins, the target's only fills a missing one."""
+    tree = tree or TreeConfig(topk=min(TreeConfig.topk, draft_vocab_size))
     if eos is not None and (explicit or tree.eos_token_id is None):
         tree = TreeConfig.from_dict({**tree.to_dict(), "eos_token_id": int(eos)})
     return tree
@@ -204,7 +205,8 @@ def convert_official(src: PathLike, dst: PathLike, ngram: Optional[PathLike] = N
     eos, note = _pick_eos(tgt, eos_token_id)
     if note:
         summary["notes"].append(note)
-    head.tree_config = tree = _tree_with_eos(head.tree_config, eos, explicit=eos_token_id is not None)
+    head.tree_config = tree = _tree_with_eos(head.tree_config, eos, explicit=eos_token_id is not None,
+                                             draft_vocab_size=head.config.draft_vocab_size)
 
     sources = [src] + ([os.fspath(ngram)] if ngram is not None else [])
     with staged_directory(dst, force, sources) as tmp:
@@ -291,7 +293,8 @@ def convert_sglang(src: PathLike, dst: PathLike, target: Optional[PathLike] = No
                          "so the default taps [2, L//2, L-3] can be computed")
 
     eos, note = _pick_eos(tgt, eos_token_id)
-    tree = _tree_with_eos(head.tree_config, eos, explicit=eos_token_id is not None)
+    tree = _tree_with_eos(head.tree_config, eos, explicit=eos_token_id is not None,
+                          draft_vocab_size=config.draft_vocab_size)
 
     ngram_src, ngram_kind = _sglang_ngram_source(src, config, ngram)
     summary: dict[str, Any] = {"source": src, "dtype": dtype_name(out_dtype), "notes": [note] if note else []}
@@ -308,6 +311,13 @@ def convert_sglang(src: PathLike, dst: PathLike, target: Optional[PathLike] = No
             shutil.copyfile(ngram_src, os.path.join(tmp, NGRAM_NAME))
         out = sglang_config(config, taps, tree, ngram_kind is not None, out_dtype)
         _write_json(out, os.path.join(tmp, CONFIG_NAME))
+        from dart_sglang.settings import DartServeSettings  # imports no SGLang
+
+        try:  # what `dart-spec serve` checks at start, now: never write a head the server refuses
+            DartServeSettings.from_draft_dir(tmp)
+        except ValueError as err:
+            raise ValueError(f"the converted head would be refused by dart-spec serve: "
+                             f"{str(err).replace(tmp, os.fspath(dst))}") from None
     summary.update(dst=os.path.abspath(os.fspath(dst)), config=out)
     return summary
 
@@ -327,7 +337,7 @@ def _sglang_ngram_source(src: str, config: DartConfig,
     name = config.extra.get(NGRAM_FILE_KEY)
     if not name:
         return None, None
-    path = os.path.join(src, name)
+    path = file_inside(src, name, NGRAM_FILE_KEY)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{src}/config.json names n-gram file {name!r} but {path} does not exist")
     _check_ngram_vocab(NGramModel.load(path), config, path)

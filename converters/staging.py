@@ -14,6 +14,8 @@ import shutil
 import tempfile
 from typing import Iterable, Iterator
 
+from dart_core.io import make_temp_dir
+
 
 def _same_or_inside(path: str, other: str) -> bool:
     path, other = os.path.realpath(path), os.path.realpath(other)
@@ -37,8 +39,21 @@ def check_output_file(dst: str, force: bool, sources: Iterable[str] = ()) -> str
     dst = check_destination(dst, force, sources)
     if os.path.isdir(dst):
         raise ValueError(f"destination {dst} is a directory; give a file name (e.g. {dst}/ngram.safetensors)")
-    os.makedirs(os.path.dirname(dst), exist_ok=True)
+    parent = os.path.dirname(dst)
+    blocker = next((p for p in _ancestors(parent) if os.path.lexists(p) and not os.path.isdir(p)), None)
+    if blocker is not None:
+        raise ValueError(f"cannot write {dst}: {blocker} is not a directory")
+    os.makedirs(parent, exist_ok=True)
     return dst
+
+
+def _ancestors(path: str) -> list[str]:
+    """`path` and its parents, outermost first."""
+    out = []
+    while path and path not in out:
+        out.append(path)
+        path = os.path.dirname(path)
+    return out[::-1]
 
 
 @contextlib.contextmanager
@@ -47,7 +62,7 @@ def staged_directory(dst: str, force: bool, sources: Iterable[str] = ()) -> Iter
     dst = check_destination(dst, force, sources)
     parent = os.path.dirname(dst)
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".tmp-{os.path.basename(dst)}-", dir=parent)
+    tmp = make_temp_dir(parent, f".tmp-{os.path.basename(dst)}-")
     try:
         yield tmp
         _swap_in(tmp, dst, force)

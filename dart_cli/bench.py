@@ -54,6 +54,9 @@ def _run_bench(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"EAGLE3-style drafter not found: no config.json in {args.eagle3}")
     if args.charts and importlib.util.find_spec("matplotlib") is None:
         raise UsageError("charts need matplotlib (pip install 'dart-spec[bench]'), or pass --no-charts")
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise UsageError(f"--out {args.out} is a file; give a directory for the report")
+    Path(args.out).mkdir(parents=True, exist_ok=True)  # a read-only or full disk says so now, not after the runs
     import torch
 
     import dart_hf

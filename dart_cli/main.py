@@ -6,6 +6,8 @@ import argparse
 import sys
 from typing import Callable, Optional
 
+from dart_core.config import TreeConfig
+
 from dart_cli.bench import add_bench
 from dart_cli.convert import add_convert
 from dart_cli.serve import add_serve
@@ -43,6 +45,10 @@ def _run_demo(args: argparse.Namespace) -> int:
 
     if args.batch_size < 1 or (args.remain_total is not None and args.remain_total < 1):
         raise UsageError("--batch-size and --remain-total must be >= 1")
+    if args.prompt is not None and not args.prompt.strip():
+        raise UsageError("--prompt is empty; give a question, or leave --prompt out for the built-in one")
+    if args.remain_total is not None:
+        TreeConfig(remain_total=args.remain_total)  # its bounds, before the model loads
     if args.max_new_tokens < 1 or args.repeats < 1 or (args.threads is not None and args.threads < 1):
         raise UsageError("--max-new-tokens, --repeats and --threads must be >= 1")
     if args.threads is not None:
@@ -56,6 +62,15 @@ def _run_demo(args: argparse.Namespace) -> int:
                         repeats=args.repeats, calibrate=args.calibrate, head_dir=args.head,
                         remain_total=args.remain_total)
     return 0 if result["identical"] else 1
+
+
+def _one_line(err: BaseException) -> str:
+    """The error's message on one line (an OSError without one: its cause and file)."""
+    if isinstance(err, OSError) and str(err).startswith("[Errno"):  # raised by the OS, not by this project
+        text = f"{err.strerror}: {err.filename}" if err.filename else str(err.strerror)
+    else:
+        text = str(err) or type(err).__name__
+    return " ".join(text.split())
 
 
 COMMANDS: list[Callable] = [_add_demo, add_bench, add_convert, add_distill, add_train, add_ngram, add_serve]
@@ -78,8 +93,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     args.extra = extra
     try:
         return args.run(args)
-    except (UsageError, ValueError, FileNotFoundError, FileExistsError) as err:
-        print(f"dart-spec {args.command}: error: {err}", file=sys.stderr)
+    except (UsageError, ValueError, OSError) as err:  # bad input, or the file system said no (full, read-only)
+        print(f"dart-spec {args.command}: error: {_one_line(err)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"dart-spec {args.command}: interrupted", file=sys.stderr)

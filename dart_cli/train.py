@@ -166,6 +166,8 @@ def add_train(sub) -> None:
     p.add_argument("--ngram-order", type=int, default=d.ngram_order, help=f"default {d.ngram_order}")
     p.add_argument("--device", default=d.device, help="auto (default), cpu, cuda, cuda:N")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint-latest")
+    p.add_argument("--force", action="store_true",
+                   help="start afresh in an OUT that holds a run (deletes its head, checkpoint and logs)")
     p.add_argument("--stop-at", type=int, metavar="STEP", help="stop after this step (checkpoint written)")
     p.add_argument("--time-budget", type=float, metavar="SECONDS",
                    help="seconds for the whole run, loading included: the step count (and so the cosine schedule) "
@@ -237,14 +239,15 @@ def _run_ngram_build(args: argparse.Namespace) -> int:
         raise UsageError("--order must be >= 1")
     if args.vocab_size is not None and args.vocab_size < 1:
         raise UsageError("--vocab-size must be >= 1")
-    if os.path.exists(args.out) and not args.force:
-        raise FileExistsError(f"{args.out} exists (use --force to replace it)")
+    from dart_converters.staging import check_output_file
+
     for d in args.data:
         if not os.path.isdir(d):
             raise FileNotFoundError(f"data directory not found: {d}")
     for f in args.text:
         if not os.path.isfile(f):
             raise FileNotFoundError(f"text file not found: {f}")
+    out = check_output_file(args.out, args.force, sources=[*args.data, *args.text])  # never one of the inputs
     sequences = []
     for d in args.data:
         sequences.extend(tokens for tokens, _ in read_shards(d))
@@ -257,9 +260,7 @@ def _run_ngram_build(args: argparse.Namespace) -> int:
     if not any(len(s) for s in sequences):
         raise ValueError("no tokens in the given data")
     ngram = NGramModel.build(sequences, order=args.order, vocab_size=vocab_size, progress=sys.stderr.isatty())
-    out_dir = os.path.dirname(os.path.abspath(args.out))
-    os.makedirs(out_dir, exist_ok=True)
-    ngram.save(args.out)
+    ngram.save(out)
     tokens = sum(len(s) for s in sequences)
     print(f"wrote {args.out}: order {ngram.order}, {ngram.num_nodes:,} nodes from {len(sequences):,} sequences "
           f"({tokens:,} tokens)")

@@ -11,6 +11,31 @@ CONFIG_NAME = "config.json"
 
 # RoPE variants the head implements; anything else is refused when the config is read.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# A config implying more head parameters than this is refused before anything is allocated (2**34 fp32 numbers:
+# 64 GiB; a head for a 70B target has well under 2**31).
+MAX_HEAD_PARAMETERS = 2**34
+# Tree sizes beyond these are refused: the verify forward grows with the node count and the beam search with
+# topk x beam_width; the reference uses 60 nodes, topk 25, beam 20.
+MAX_TREE_NODES = 1024
+MAX_TOPK = 1024
+MAX_BEAM_WIDTH = 1024
+
+
+def check_int(owner: str, name: str, value: Any, minimum: int = 1, optional: bool = False) -> None:
+    """ValueError unless `value` is an int (not a bool) >= minimum (or None when `optional`)."""
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise ValueError(f"{owner}.{name} must be {kind}{' or None' if optional else ''}, got {value!r}")
+
+
+def check_float(owner: str, name: str, value: Any, minimum: float = 0.0, strict: bool = False) -> None:
+    """ValueError unless `value` is a finite real number (not a bool) >= minimum (> minimum when `strict`)."""
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+            or value < minimum or (strict and value == minimum)):
+        raise ValueError(f"{owner}.{name} must be a finite number {'>' if strict else '>='} {minimum}, "
+                         f"got {value!r}")
 
 
 def default_target_layer_ids(num_target_layers: int) -> list[int]:
@@ -60,10 +85,18 @@ class DartConfig:
         if self.target_hidden_size is None:
             self.target_hidden_size = self.hidden_size
         for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-                     "vocab_size", "draft_vocab_size", "draft_length", "head_dim", "target_hidden_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"DartConfig.{name} must be a positive integer, got {value!r}")
+                     "vocab_size", "draft_vocab_size", "draft_length", "head_dim", "target_hidden_size",
+                     "max_position_embeddings"):
+            check_int("DartConfig", name, getattr(self, name))
+        check_int("DartConfig", "num_target_layers", self.num_target_layers, optional=True)
+        check_float("DartConfig", "rms_norm_eps", self.rms_norm_eps, strict=True)
+        check_float("DartConfig", "rope_theta", self.rope_theta, strict=True)
+        if self.vocab_size >= 2**31:
+            raise ValueError(f"DartConfig.vocab_size {self.vocab_size} does not fit token ids in int32")
+        if self.estimated_parameters() > MAX_HEAD_PARAMETERS:
+            raise ValueError(f"DartConfig describes a head of about {self.estimated_parameters():.3g} parameters "
+                             f"(vocab_size {self.vocab_size}, hidden_size {self.hidden_size}, intermediate_size "
+                             f"{self.intermediate_size}); more than {MAX_HEAD_PARAMETERS:.3g} is refused")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads {self.num_attention_heads} must be a multiple of num_key_value_heads "
@@ -83,9 +116,18 @@ class DartConfig:
         if self.target_layer_ids is None and self.num_target_layers is not None:
             self.target_layer_ids = default_target_layer_ids(self.num_target_layers)
         if self.target_layer_ids is not None:
-            self.target_layer_ids = [int(i) for i in self.target_layer_ids]
-            if len(self.target_layer_ids) != 3:
-                raise ValueError(f"target_layer_ids must name 3 layers, got {self.target_layer_ids}")
+            ids = self.target_layer_ids
+            if (not isinstance(ids, (list, tuple)) or len(ids) != 3
+                    or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids)):
+                raise ValueError(f"target_layer_ids must name 3 layers (integers >= 0), got {ids!r}")
+            self.target_layer_ids = list(ids)
+
+    def estimated_parameters(self) -> int:
+        """Parameters of a head of this shape, its own embedding table included (fc, one layer, lm_head)."""
+        h, i = self.hidden_size, self.intermediate_size
+        attn = 2 * h * (self.num_attention_heads + 2 * self.num_key_value_heads) * self.head_dim \
+            + self.num_attention_heads * self.head_dim * h
+        return 3 * self.target_hidden_size * h + attn + 3 * h * i + h * (self.draft_vocab_size + self.vocab_size)
 
     @property
     def rope_type(self) -> str:
@@ -165,14 +207,16 @@ class TreeConfig:
     max_depth: Optional[int] = None  # draft levels used (None: all the head predicts, D+1)
 
     def __post_init__(self) -> None:
-        for name in ("topk", "beam_width", "remain_total"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"TreeConfig.{name} must be a positive integer, got {value!r}")
-        if self.max_depth is not None and (not isinstance(self.max_depth, int) or self.max_depth <= 0):
-            raise ValueError(f"TreeConfig.max_depth must be a positive integer or None, got {self.max_depth!r}")
-        if not (self.ngram_weight >= 0 and math.isfinite(self.ngram_weight)):
-            raise ValueError(f"TreeConfig.ngram_weight must be a finite number >= 0, got {self.ngram_weight!r}")
+        for name, most in (("topk", MAX_TOPK), ("beam_width", MAX_BEAM_WIDTH), ("remain_total", MAX_TREE_NODES)):
+            check_int("TreeConfig", name, getattr(self, name))
+            if getattr(self, name) > most:
+                raise ValueError(f"TreeConfig.{name} {getattr(self, name)} is above the supported {most} (a tree "
+                                 "of that size costs far more to verify than it can save)")
+        check_int("TreeConfig", "max_depth", self.max_depth, optional=True)
+        check_int("TreeConfig", "eos_token_id", self.eos_token_id, minimum=0, optional=True)
+        check_float("TreeConfig", "ngram_weight", self.ngram_weight)
+        check_float("TreeConfig", "level_weight_exponent", self.level_weight_exponent)
+        check_float("TreeConfig", "logit_weight_decay", self.logit_weight_decay, strict=True)
 
     def level_weight(self, level: int) -> float:
         return (level + 1) ** -self.level_weight_exponent

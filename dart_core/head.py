@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -342,6 +342,12 @@ class DartHead(nn.Module):
         weights_file = os.path.join(path, WEIGHTS_NAME)
         expected = {k: tuple(v.shape) for k, v in head.state_dict().items()}
         state = load_safetensors_checked(weights_file, expected, optional=OPTIONAL_KEYS)
+        own = head.state_dict()
+        for key, tensor in state.items():
+            if key in own and tensor.is_floating_point() != own[key].is_floating_point():
+                raise ValueError(f"{weights_file}: {key} is {tensor.dtype}, expected "
+                                 f"{'a floating-point' if own[key].is_floating_point() else 'an integer'} tensor "
+                                 f"like {own[key].dtype}")
         embed = state.pop("embed_tokens.weight", None)
         head.load_state_dict(state, strict=True)
         check_draft_vocab(head.d2t, config.vocab_size, source=weights_file)
@@ -353,7 +359,7 @@ class DartHead(nn.Module):
         if load_ngram and ngram_file:
             from dart_core.ngram import NGramModel
 
-            head.ngram = NGramModel.load(os.path.join(path, ngram_file))
+            head.ngram = NGramModel.load(file_inside(path, ngram_file, NGRAM_FILE_KEY))
         if dtype is not None or device is not None:
             head.to(device=device, dtype=dtype)
         return head
@@ -381,6 +387,19 @@ class DartHead(nn.Module):
             config.pop(NGRAM_FILE_KEY, None)
         with atomic_write(os.path.join(path, CONFIG_NAME), "w") as fh:
             json.dump(config, fh, indent=2, sort_keys=True)
+
+
+def file_inside(directory: str, name: Any, key: str) -> str:
+    """The path of `name` (a config value) inside `directory`; ValueError if it is not a plain relative name that
+    stays inside (a head directory never makes the project open files elsewhere)."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{directory}/config.json: {key} must be a file name, got {name!r}")
+    root = os.path.realpath(directory)
+    full = os.path.realpath(os.path.join(root, name))
+    if os.path.isabs(name) or not full.startswith(root + os.sep):
+        raise ValueError(f"{directory}/config.json: {key} {name!r} points outside the head directory; only files "
+                         "inside it are read")
+    return full
 
 
 def _check_architecture(cls: type, config: DartConfig, path: str) -> None:

@@ -34,6 +34,14 @@ def _umask() -> int:
     return mask
 
 
+def make_temp_dir(parent: str | os.PathLike, prefix: str) -> str:
+    """A new temp directory in `parent` with the permissions mkdir would give (mkdtemp makes it 0700): the
+    staging place of an output directory that is renamed into place when complete."""
+    tmp = tempfile.mkdtemp(prefix=prefix, dir=parent)
+    os.chmod(tmp, 0o777 & ~_umask())
+    return tmp
+
+
 @contextlib.contextmanager
 def atomic_write(path: str, mode: str = "wb") -> Iterator:
     """Open a temp file beside `path`; on success it replaces `path`, on error it is removed."""

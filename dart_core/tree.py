@@ -253,6 +253,8 @@ def _check_search_inputs(tokens: torch.Tensor, probs: torch.Tensor, contexts: to
         raise ValueError(f"need at least one level and one candidate, got {list(tokens.shape)}")
     if bool((tokens < 0).any()):
         raise ValueError(f"topk_tokens hold negative token ids (min {int(tokens.min())})")
+    if not bool((torch.isfinite(probs) & (probs >= 0)).all()):
+        raise ValueError("topk_probs must be probabilities (finite, >= 0); got NaN or negative values")
     if contexts.dim() != 2 or contexts.shape[0] != tokens.shape[0] or contexts.shape[1] == 0:
         raise ValueError(f"contexts must be [B={tokens.shape[0]}, C>=1], got {list(contexts.shape)}")
     if bool((contexts[:, -1] < 0).any()):

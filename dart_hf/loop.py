@@ -218,6 +218,10 @@ def _prepare(model, head: DartHead, input_ids, generation_config, model_kwargs, 
                          "it: pass attention_mask=torch.ones_like(input_ids)")
     if not generation_config.use_cache:
         raise ValueError("DART tree decoding needs use_cache=True")
+    vocab = int(model.get_input_embeddings().weight.shape[0])
+    if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
+        bad = int(input_ids.min()) if int(input_ids.min()) < 0 else int(input_ids.max())
+        raise ValueError(f"input_ids hold token id {bad}, outside the target vocabulary 0..{vocab - 1}")
     check_attention(model)
     cache = model_kwargs.get("past_key_values")
     if cache is None:

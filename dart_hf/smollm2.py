@@ -9,7 +9,6 @@ import importlib.util
 import os
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -53,10 +52,12 @@ def _convert_gguf(target: Path) -> None:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from dart_core.io import make_temp_dir
+
     source = gguf_path()
     print(f"dart-spec: converting {source.name} to a transformers checkpoint in {target} (once)", file=sys.stderr)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
+    tmp = Path(make_temp_dir(target.parent, ".tmp-"))
     try:
         model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype="float32")
         tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)

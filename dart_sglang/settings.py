@@ -9,7 +9,7 @@ import os
 from typing import Optional
 
 from dart_core.config import CONFIG_NAME, DartConfig, TreeConfig
-from dart_core.head import SGLANG_CONFIG_KEY, tree_settings
+from dart_core.head import SGLANG_CONFIG_KEY, file_inside, tree_settings
 from dart_converters.heads import SGLANG_ARCHITECTURE
 
 
@@ -50,7 +50,7 @@ class DartServeSettings:
                              f"has {config.draft_vocab_size} tokens; lower dart_config.topk")
         ngram_path = None
         if ngram_file is not None:
-            ngram_path = os.path.join(path, ngram_file)
+            ngram_path = file_inside(path, ngram_file, "dart_config.ngram_file")
             if not os.path.isfile(ngram_path):
                 raise FileNotFoundError(f"{file} names n-gram file {ngram_file!r} but {ngram_path} does not exist")
         return cls.for_tree(tree, config.draft_length, ngram_path)

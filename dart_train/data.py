@@ -7,14 +7,19 @@ raw text). Shards are written atomically, so an interrupted job resumes at the f
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
-import tempfile
+import zipfile
+import zlib
 from pathlib import Path
 from typing import Iterator, Sequence
 
 import numpy as np
 import torch
 from tqdm import tqdm
+
+from dart_core.io import atomic_write
 
 SHARD_FORMAT = "shard-{:05d}.npz"
 
@@ -25,14 +30,8 @@ def write_shard(path: Path, sequences: Sequence[Sequence[int]], prompt_lengths: 
     offsets = np.concatenate(([0], np.cumsum(lengths)))
     tokens = np.concatenate([np.asarray(s, dtype=np.int32) for s in sequences]) if sequences else \
         np.zeros(0, dtype=np.int32)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".npz", dir=path.parent)
-    os.close(fd)
-    try:
-        np.savez(tmp, tokens=tokens, offsets=offsets, prompt_lengths=np.asarray(prompt_lengths, dtype=np.int32))
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_write(str(path), "wb") as fh:
+        np.savez(fh, tokens=tokens, offsets=offsets, prompt_lengths=np.asarray(prompt_lengths, dtype=np.int32))
 
 
 def read_shards(directory: str | os.PathLike) -> Iterator[tuple[np.ndarray, int]]:
@@ -41,15 +40,36 @@ def read_shards(directory: str | os.PathLike) -> Iterator[tuple[np.ndarray, int]
     if not files:
         raise FileNotFoundError(f"no data shards (shard-*.npz) in {directory}")
     for file in files:
-        try:
-            with np.load(file) as data:
-                tokens, offsets, prompts = data["tokens"], data["offsets"], data["prompt_lengths"]
-        except (OSError, ValueError, KeyError) as err:
-            raise ValueError(f"{file}: not a readable data shard ({err})") from err
-        if offsets[-1] != tokens.shape[0] or len(prompts) != len(offsets) - 1:
-            raise ValueError(f"{file}: offsets/prompt_lengths do not match the token array (corrupt shard)")
+        tokens, offsets, prompts = read_shard(file)
         for i in range(len(prompts)):
             yield tokens[offsets[i]:offsets[i + 1]], int(prompts[i])
+
+
+def read_shard(file: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(tokens int [total], offsets int64 [n+1], prompt_lengths int [n]) of one shard, checked: ValueError naming the
+    file for anything that is not a well-formed shard (unreadable, truncated, wrong arrays, offsets that decrease or
+    leave the token array, prompt lengths outside their sequence, negative token ids)."""
+    if not file.is_file():
+        raise ValueError(f"{file}: not a file")
+    try:
+        with np.load(file, allow_pickle=False) as data:
+            tokens, offsets, prompts = data["tokens"], data["offsets"], data["prompt_lengths"]
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile, zlib.error) as err:
+        raise ValueError(f"{file}: not a readable data shard ({type(err).__name__}: {err})") from None
+    for name, array in (("tokens", tokens), ("offsets", offsets), ("prompt_lengths", prompts)):
+        if array.ndim != 1 or array.dtype.kind not in "iu":
+            raise ValueError(f"{file}: {name} must be a 1-D integer array, got {array.dtype} {list(array.shape)}")
+    if len(offsets) != len(prompts) + 1 or len(offsets) == 0 or offsets[0] != 0 or offsets[-1] != len(tokens):
+        raise ValueError(f"{file}: offsets/prompt_lengths do not match the token array (corrupt shard)")
+    lengths = np.diff(offsets)
+    if (lengths < 0).any():
+        raise ValueError(f"{file}: offsets decrease at sequence {int(np.argmax(lengths < 0))} (corrupt shard)")
+    if ((prompts < 0) | (prompts > lengths)).any():
+        raise ValueError(f"{file}: prompt length outside its sequence at sequence "
+                         f"{int(np.argmax((prompts < 0) | (prompts > lengths)))} (corrupt shard)")
+    if tokens.size and int(tokens.min()) < 0:
+        raise ValueError(f"{file}: negative token id {int(tokens.min())} (corrupt shard)")
+    return tokens, offsets.astype(np.int64), prompts
 
 
 @torch.no_grad()
@@ -57,10 +77,13 @@ def distill(model, tokenizer, prompts: Sequence[str], out_dir: str | os.PathLike
             max_new_tokens: int = 256, progress: bool = True) -> int:
     """Answer `prompts` with `model` itself (greedy, chat template), one shard per batch; returns shards written.
 
-    Resumable: shards already present are skipped, so re-running continues where an interrupted run stopped.
+    Resumable: shards already present are skipped, so re-running continues where an interrupted run stopped. What
+    the shards answer is recorded in `DISTILL_MANIFEST` (a hash of the prompts, batch size and answer length); a
+    directory holding shards of other prompts or settings is refused (ValueError), never silently mixed.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    check_distill_manifest(out, prompts, batch_size, max_new_tokens)
     tokenizer.padding_side = "left"
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     batches = [prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size)]
@@ -91,6 +114,32 @@ def distill(model, tokenizer, prompts: Sequence[str], out_dir: str | os.PathLike
         bar.set_postfix(tokens=sum(len(s) for s in sequences))
     bar.close()
     return written
+
+
+DISTILL_MANIFEST = "distill.json"
+
+
+def check_distill_manifest(out: Path, prompts: Sequence[str], batch_size: int, max_new_tokens: int) -> None:
+    """Record what a distillation into `out` answers, or check that the shards already there answer the same."""
+    digest = hashlib.sha256(json.dumps(list(prompts)).encode("utf-8")).hexdigest()
+    manifest = {"prompts_sha256": digest, "prompts": len(prompts), "batch_size": batch_size,
+                "max_new_tokens": max_new_tokens}
+    file = out / DISTILL_MANIFEST
+    if file.is_file():
+        try:
+            saved = json.loads(file.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as err:
+            raise ValueError(f"{file}: unreadable ({err}); remove it only if the shards beside it are disposable")
+        if saved != manifest:
+            changed = [k for k in manifest if saved.get(k) != manifest[k]]
+            raise ValueError(f"{out} holds shards of another distillation (different {', '.join(changed)}); "
+                             "write into a new --out directory")
+        return
+    if any(out.glob("shard-*.npz")):
+        raise ValueError(f"{out} holds data shards that no distillation manifest ({DISTILL_MANIFEST}) describes; "
+                         "write into a new --out directory")
+    with atomic_write(str(file), "w") as fh:
+        json.dump(manifest, fh, indent=2)
 
 
 def _cut_after_eos(tokens: list[int], eos: int | None, pad: int | None) -> list[int]:

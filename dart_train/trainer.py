@@ -27,10 +27,11 @@ import hashlib
 import json
 import math
 import os
+import pickle
 import random
 import shutil
-import tempfile
 import time
+import zipfile
 from pathlib import Path
 from typing import Optional
 
@@ -38,7 +39,7 @@ import numpy as np
 import torch
 
 from dart_core import DartConfig, DartHead, Eagle3Head, NGramModel
-from dart_core.io import atomic_write
+from dart_core.io import atomic_write, make_temp_dir
 from dart_hf.target import first_eos
 from dart_train.data import read_shards
 from dart_train.features import Batch, collate, target_features
@@ -98,6 +99,7 @@ class TrainConfig:
     ngram_order: int = 3
     device: str = "auto"
     resume: bool = False
+    force: bool = False  # start afresh in an `out` that holds a run (its head, checkpoint and logs are removed)
     stop_at: Optional[int] = None  # stop after this step (checkpoint written), e.g. for time-boxed jobs
     time_budget: Optional[float] = None  # seconds for the whole run: `steps` is fitted to it (see Trainer.run)
     max_skipped_steps: int = 10  # consecutive steps with a non-finite loss or gradient before the run stops
@@ -144,8 +146,30 @@ class TrainConfig:
             if not os.path.isdir(d):
                 raise FileNotFoundError(f"data directory not found: {d}")
         resolve_device(self.device)
+        if self.resume and self.force:
+            raise ValueError("--resume continues the run in --out and --force replaces it: give one")
+        existing = run_files(Path(self.out))
+        if existing and not (self.resume or self.force):
+            raise FileExistsError(f"{self.out} already holds a training run ({', '.join(existing)}): --resume "
+                                  "continues it, --force replaces it (its head, checkpoint and logs are deleted)")
         if self.init_from is not None and not os.path.isdir(self.init_from):
             raise FileNotFoundError(f"--init-from head directory not found: {self.init_from}")
+
+
+# what a run writes into its output directory (`--force` removes these, nothing else)
+RUN_FILES = ("head", CHECKPOINT_DIR, CHECKPOINT_DIR + ".old", "train_config.json", "train.jsonl", "eval.jsonl")
+
+
+def run_files(out: Path) -> list[str]:
+    """The names of RUN_FILES present in `out`."""
+    return [name for name in RUN_FILES if (out / name).exists()]
+
+
+def clear_run(out: Path) -> None:
+    """Remove a previous run's files from `out` (for `force`)."""
+    for name in run_files(out):
+        path = out / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
 # ---- target -----------------------------------------------------------------------------------------------------
@@ -313,7 +337,10 @@ def lr_factor(step: int, warmup: int, total: int) -> float:
 
 
 def _rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    """The RNG states as tensors and plain data (what `torch.load(weights_only=True)` reads back)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {"torch": torch.get_rng_state(), "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss,
+                                                       gauss], "python": random.getstate()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -321,7 +348,8 @@ def _rng_state() -> dict:
 
 def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -340,17 +368,8 @@ def replace_dir(tmp: Path, dest: Path) -> None:
         shutil.rmtree(old)
 
 
-def _mkdtemp(parent: Path, prefix: str) -> Path:
-    """A temp dir beside the destination, with ordinary directory permissions (mkdtemp makes it 0700)."""
-    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o777 & ~umask)
-    return tmp
-
-
 def save_checkpoint(out: Path, head: DartHead, optimizer, scheduler, state: dict) -> None:
-    tmp = _mkdtemp(out, ".tmp-checkpoint-")
+    tmp = Path(make_temp_dir(out, ".tmp-checkpoint-"))
     try:
         head.save_pretrained(tmp)
         torch.save({**state, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
@@ -366,6 +385,25 @@ def find_checkpoint(out: Path) -> Path:
         if (out / name / STATE_NAME).is_file():
             return out / name
     raise FileNotFoundError(f"--resume: no checkpoint in {out / CHECKPOINT_DIR}")
+
+
+def load_trainer_state(file: Path) -> dict:
+    """A checkpoint's trainer state: tensors and plain data only (never code: `weights_only=True`); ValueError
+    naming the file when it is corrupt, truncated or not a trainer state."""
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise ValueError(f"{file}: not a readable trainer state (it holds objects other than tensors and plain "
+                         "data; they are not loaded, since loading them could run code)") from None
+    except (RuntimeError, EOFError, ValueError, OSError, zipfile.BadZipFile) as err:
+        raise ValueError(f"{file}: not a readable trainer state ({type(err).__name__}: "
+                         f"{str(err).splitlines()[0] if str(err) else 'truncated'}); delete the checkpoint or train "
+                         "without --resume") from None
+    need = ("step", "optimizer", "scheduler", "rng", "config")
+    if not isinstance(state, dict) or any(k not in state for k in need) or isinstance(state["step"], bool) \
+            or not isinstance(state["step"], int) or state["step"] < 0:
+        raise ValueError(f"{file}: not a trainer state of this project (needs {', '.join(need)})")
+    return state
 
 
 def truncate_log(path: Path, last_step: int) -> None:
@@ -459,6 +497,8 @@ class Trainer:
         self.model = model
         self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if on_cuda else None
         if self.dist.main:
+            if cfg.force and not cfg.resume:
+                clear_run(self.out)
             self.out.mkdir(parents=True, exist_ok=True)
 
 
@@ -466,7 +506,7 @@ class Trainer:
         resume_state = None
         if cfg.resume:
             ckpt = find_checkpoint(self.out)
-            resume_state = torch.load(ckpt / STATE_NAME, map_location="cpu", weights_only=False)
+            resume_state = load_trainer_state(ckpt / STATE_NAME)
             saved = resume_state.get("config", {})
             diff = [k for k in RESUME_FIXED if k in saved and saved[k] != getattr(cfg, k)]
             if diff:
@@ -752,7 +792,7 @@ class Trainer:
         return summary
 
     def save_head(self, dest: Path) -> None:
-        tmp = _mkdtemp(dest.parent, ".tmp-head-")
+        tmp = Path(make_temp_dir(dest.parent, ".tmp-head-"))
         try:
             self.head.save_pretrained(tmp, dtype=SAVE_DTYPES[self.cfg.save_dtype])
             replace_dir(tmp, dest)

@@ -395,7 +395,8 @@ def test_convert_official_keeps_logits_and_records_everything(tmp_path, inputs):
                                rtol=0, atol=0)
     cfg = json.loads((dst / "config.json").read_text())
     assert cfg["target_layer_ids"] == [2, 4, 5] and cfg["num_target_layers"] == TARGET_LAYERS
-    assert cfg["dart_tree"]["eos_token_id"] == 7 and cfg["dart_tree"]["topk"] == 25
+    assert cfg["dart_tree"]["eos_token_id"] == 7
+    assert cfg["dart_tree"]["topk"] == 20  # the reference 25, cut to the 20 tokens of this head's draft vocabulary
     assert cfg["dart_ngram_file"] == "ngram.safetensors" and cfg["architectures"] == ["LlamaForCausalLMDart"]
     head = DartHead.from_pretrained(dst)
     assert head.tree_config.eos_token_id == 7 and head.config.target_layer_ids == [2, 4, 5]
@@ -524,6 +525,13 @@ def test_convert_sglang_from_our_dir(tmp_path, inputs):
     write_official_trie(tmp_path / "a.trie", random_corpus(6, 40), order=3, node_order="random")
     convert_official(src, ours, ngram=tmp_path / "a.trie", target=write_target(tmp_path / "t", eos=7),
                      progress=False)
+    raw = json.loads((ours / "config.json").read_text())
+    # a tree topk of 25 is more than this head's 20 draft tokens: `serve` would refuse it, so convert does
+    (ours / "config.json").write_text(json.dumps({**raw, "dart_tree": {**raw["dart_tree"], "topk": 25}}))
+    with pytest.raises(ValueError, match=r"refused by dart-spec serve: .*sglang/config.json: the tree takes topk=25"):
+        convert_sglang(ours, sgl, dtype="bfloat16")
+    assert not sgl.exists()
+    (ours / "config.json").write_text(json.dumps({**raw, "dart_tree": {**raw["dart_tree"], "topk": 16}}))
     convert_sglang(ours, sgl, dtype="bfloat16")
     cfg = json.loads((sgl / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLMDart"] and cfg["model_type"] == "llama"
@@ -531,14 +539,14 @@ def test_convert_sglang_from_our_dir(tmp_path, inputs):
     assert cfg["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [1, 3, 4], "use_aux_hidden_state": True}
     assert cfg["target_layer_ids"] == [2, 4, 5] and cfg["torch_dtype"] == "bfloat16"
     assert (cfg["draft_length"], cfg["draft_vocab_size"], cfg["target_hidden_size"]) == (3, 20, 16)
-    assert cfg["dart_config"] == {"topk": 25, "beam_width": 20, "remain_total": 60, "ngram_weight": 0.5,
+    assert cfg["dart_config"] == {"topk": 16, "beam_width": 20, "remain_total": 60, "ngram_weight": 0.5,
                                   "eos_token_id": 7, "level_weight_exponent": 0.7, "logit_weight_decay": 0.9,
                                   "max_depth": None, "ngram_file": "ngram.safetensors"}
     assert "dart_tree" not in cfg and "dart_ngram_file" not in cfg
     assert (sgl / "ngram.safetensors").read_bytes() == (ours / "ngram.safetensors").read_bytes()
     loaded = DartHead.from_pretrained(sgl)  # our own loader reads the SGLang directory too
     assert loaded.config.target_layer_ids == [2, 4, 5]
-    assert loaded.tree_config == TreeConfig(eos_token_id=7)  # from dart_config
+    assert loaded.tree_config == TreeConfig(eos_token_id=7, topk=16)  # from dart_config
     assert loaded.ngram is not None and loaded.ngram.num_nodes == DartHead.from_pretrained(ours).ngram.num_nodes
     with safe_open(str(sgl / "model.safetensors"), "pt") as fh:
         assert fh.get_slice("midlayer.mask_rep").get_dtype() == "BF16" and "d2t" in fh.keys()

@@ -3,6 +3,7 @@ trainer (loss goes down, resume is exact) and the `train` / `ngram build` / `dis
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -479,5 +480,5 @@ def test_length_buckets_keep_padding_small_and_cover_each_window_once(tmp_path):
     padded = sum(8 * max(len(w) for w, _ in b) for b in batches)
     real = sum(lengths)
     assert padded < 1.1 * real  # unbucketed: about 1.8x
-    again = Trainer(cfg, model=target)
+    again = Trainer(dataclasses.replace(cfg, out=str(tmp_path / "o2")), model=target)
     assert all([w.tolist() for w, _ in again.samples_for(s)] == [w.tolist() for w, _ in batches[s]] for s in (0, 17))

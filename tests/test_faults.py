@@ -1,0 +1,258 @@
+"""Bad input and faults, as a careless or a hostile user would cause them: every case ends in a clear error (one line,
+exit status 2 from the CLI) before any work, and never in lost work, code execution, a silent wrong result or a
+hang. Each test names the fault it keeps from coming back."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import stat
+
+import numpy as np
+import pytest
+import torch
+
+import dart_hf
+from dart_cli.main import main
+from dart_core import DartConfig, DartHead, TreeConfig, build_draft_tree
+from dart_train.data import read_shards, write_shard
+from hf_models import random_head, tiny_target
+
+
+def one_line_error(argv, capsys, message) -> None:
+    capsys.readouterr()  # what earlier calls printed
+    rc = main([str(a) for a in argv])
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if "%|" not in line]  # no progress bars
+    assert rc == 2 and len(err) == 1 and message in err[0], (rc, err)
+
+
+def train_args(root, out, *more):
+    return ["train", "--target", root / "target", "--data", root / "data", "--out", out, "--steps", "2",
+            "--batch-size", "2", "--seq-len", "24", "--draft-length", "2", "--draft-vocab-size", "64", "--anchors",
+            "4", "--tau-prompts", "0", "--no-progress", "--threads", "1", *more]
+
+
+# ---- lost work ------------------------------------------------------------------------------------------------------
+def test_train_refuses_an_existing_run_without_resume_or_force(tiny_run, tmp_path, capsys):
+    root, _ = tiny_run
+    out = tmp_path / "run"
+    assert main([str(a) for a in train_args(root, out)]) == 0
+    head_before = (out / "head" / "model.safetensors").read_bytes()
+    one_line_error(train_args(root, out), capsys, "already holds a training run")
+    assert (out / "head" / "model.safetensors").read_bytes() == head_before  # nothing replaced
+    one_line_error(train_args(root, out, "--resume", "--force"), capsys, "give one")
+    assert main([str(a) for a in train_args(root, out, "--force")]) == 0  # asked for: a fresh run, fresh logs
+    steps = [json.loads(line)["step"] for line in (out / "train.jsonl").read_text().splitlines()]
+    assert steps == sorted(steps) and len(steps) == len(set(steps))
+
+
+def test_ngram_build_never_overwrites_one_of_its_inputs(tiny_run, tmp_path, capsys):
+    root, _ = tiny_run
+    data = tmp_path / "data"
+    data.mkdir()
+    shard = data / "shard-00000.npz"
+    shard.write_bytes((root / "data" / "shard-00000.npz").read_bytes())
+    before = shard.read_bytes()
+    one_line_error(["ngram", "build", "--data", data, "--out", shard, "--force"], capsys, "overlaps the source")
+    one_line_error(["ngram", "build", "--data", data, "--out", data / "ngram.safetensors", "--force"], capsys,
+                   "overlaps the source")
+    assert shard.read_bytes() == before and sorted(p.name for p in data.iterdir()) == ["shard-00000.npz"]
+
+
+# ---- no code execution from files -------------------------------------------------------------------------------------
+class _Payload:
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_resume_never_runs_code_from_a_crafted_checkpoint(tiny_run, tmp_path, capsys):
+    root, _ = tiny_run
+    out = tmp_path / "run"
+    assert main([str(a) for a in train_args(root, out, "--stop-at", "1")]) == 0
+    marker = tmp_path / "pwned"
+    payload = _Payload()
+    payload.marker = marker
+    state = out / "checkpoint-latest" / "trainer_state.pt"
+    torch.save({"step": 1, "evil": payload}, state)
+    one_line_error(train_args(root, out, "--resume"), capsys, "not a readable trainer state")
+    assert not marker.exists()
+    state.write_bytes(os.urandom(300))  # corrupt
+    one_line_error(train_args(root, out, "--resume"), capsys, "not a readable trainer state")
+
+
+def test_a_head_config_cannot_point_at_files_outside_its_directory(tmp_path):
+    target = tiny_target()
+    head = random_head(target)
+    head.save_pretrained(tmp_path / "head")
+    secret = tmp_path / "elsewhere.safetensors"
+    secret.write_bytes(b"x")
+    for name in ("../elsewhere.safetensors", str(secret), "/etc/passwd"):
+        config = json.loads((tmp_path / "head" / "config.json").read_text())
+        config["dart_ngram_file"] = name
+        (tmp_path / "head" / "config.json").write_text(json.dumps(config))
+        with pytest.raises(ValueError, match="outside the head directory"):
+            DartHead.from_pretrained(tmp_path / "head")
+
+
+# ---- one line instead of a traceback ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("damage,message", [
+    (lambda b: os.urandom(len(b)), "not a readable data shard"),
+    (lambda b: b[: len(b) // 2], "not a readable data shard"),
+    (lambda b: b"", "not a readable data shard"),
+])
+def test_corrupt_shards_are_one_line(tiny_run, tmp_path, capsys, damage, message):
+    root, _ = tiny_run
+    data = tmp_path / "data"
+    data.mkdir()
+    good = (root / "data" / "shard-00000.npz").read_bytes()
+    (data / "shard-00000.npz").write_bytes(damage(good))
+    one_line_error(["ngram", "build", "--data", data, "--out", tmp_path / "n.safetensors"], capsys, message)
+
+
+def test_a_directory_where_a_shard_should_be_is_one_line(tmp_path, capsys):
+    data = tmp_path / "data"
+    (data / "shard-00000.npz").mkdir(parents=True)
+    one_line_error(["ngram", "build", "--data", data, "--out", tmp_path / "n.safetensors"], capsys, "not a file")
+
+
+@pytest.mark.parametrize("device,message", [("bogus", "is not one of auto, cpu, cuda"),
+                                            ("cuda:0", "no CUDA device")])
+def test_bad_devices_are_one_line(tiny_run, tmp_path, capsys, device, message):
+    if device.startswith("cuda") and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    root, _ = tiny_run
+    one_line_error(train_args(root, tmp_path / "o", "--device", device), capsys, message)
+    one_line_error(["distill", "--target", root / "target", "--out", tmp_path / "d", "--text", __file__,
+                    "--device", device], capsys, message)
+
+
+def test_an_unwritable_output_is_one_line(tiny_run, tmp_path, capsys):
+    root, _ = tiny_run
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    one_line_error(["ngram", "build", "--data", root / "data", "--out", blocker / "n.safetensors"], capsys,
+                   "is not a directory")
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("hidden_size", 0, "hidden_size must be a positive integer"),
+    ("hidden_size", "576", "hidden_size must be a positive integer"),
+    ("draft_length", True, "draft_length must be a positive integer"),
+    ("num_attention_heads", 0, "num_attention_heads must be a positive integer"),
+    ("vocab_size", 10**12, "does not fit token ids in int32"),
+    ("vocab_size", 2**30, "parameters"),
+    ("rms_norm_eps", -1e-6, "rms_norm_eps must be a finite number > 0"),
+    ("max_position_embeddings", 0, "max_position_embeddings must be a positive integer"),
+    ("target_layer_ids", [2, True, 5], "target_layer_ids must name 3 layers"),
+])
+def test_bad_head_configs_are_refused_by_name(tmp_path, field, value, message):
+    target = tiny_target()
+    random_head(target).save_pretrained(tmp_path / "head")
+    config = json.loads((tmp_path / "head" / "config.json").read_text())
+    config[field] = value
+    (tmp_path / "head" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message):
+        DartHead.from_pretrained(tmp_path / "head")
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_before_decoding():
+    target = dart_hf.enable(tiny_target())
+    head = random_head(target)
+    for bad in (96, -1):
+        ids = torch.tensor([[1, 2, bad]])
+        with pytest.raises(ValueError, match=f"token id {bad}, outside the target vocabulary 0..95"):
+            target.generate(ids, attention_mask=torch.ones_like(ids), dart_head=head, max_new_tokens=4,
+                            do_sample=False)
+
+
+# ---- no silent wrong results ----------------------------------------------------------------------------------------
+def _raw_shard(path, tokens, offsets, prompts):
+    np.savez(path, tokens=np.asarray(tokens, np.int32), offsets=np.asarray(offsets, np.int64),
+             prompt_lengths=np.asarray(prompts, np.int32))
+
+
+@pytest.mark.parametrize("offsets,prompts,message", [
+    ([0, 4, 2, 6], [1, 1, 1], "offsets decrease"),
+    ([0, 3, 9], [1, 1], "do not match the token array"),
+    ([0, 3, 6], [1, 5], "prompt length outside its sequence"),
+])
+def test_inconsistent_shards_are_refused(tmp_path, offsets, prompts, message):
+    _raw_shard(tmp_path / "shard-00000.npz", range(6), offsets, prompts)
+    with pytest.raises(ValueError, match=message):
+        list(read_shards(tmp_path))
+
+
+def test_shards_keep_the_usual_file_permissions(tmp_path):
+    write_shard(tmp_path / "shard-00000.npz", [[1, 2, 3]], [1])
+    mode = stat.S_IMODE((tmp_path / "shard-00000.npz").stat().st_mode)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert mode == 0o666 & ~umask
+
+
+@pytest.mark.parametrize("probs", [float("nan"), -0.1, float("inf")])
+def test_bad_draft_probabilities_build_no_tree(probs):
+    tokens = torch.tensor([[5, 6], [7, 8]])
+    p = torch.tensor([[0.6, 0.4], [0.5, probs]])
+    with pytest.raises(ValueError, match="topk_probs must be probabilities"):
+        build_draft_tree(tokens, p, [1], None, TreeConfig(topk=2, remain_total=3))
+
+
+@pytest.mark.parametrize("settings,message", [
+    ({"ngram_weight": float("nan")}, "ngram_weight must be a finite number"),
+    ({"level_weight_exponent": float("inf")}, "level_weight_exponent"),
+    ({"logit_weight_decay": 0.0}, "logit_weight_decay must be a finite number > 0"),
+    ({"topk": True}, "topk must be a positive integer"),
+    ({"eos_token_id": -1}, "eos_token_id must be an integer >= 0"),
+    ({"remain_total": 100000}, "remain_total 100000 is above the supported 1024"),
+])
+def test_bad_tree_settings_are_refused(settings, message):
+    with pytest.raises(ValueError, match=message):
+        TreeConfig(**settings)
+
+
+def test_integer_weights_where_floats_belong_and_float_d2t_are_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    target = tiny_target()
+    random_head(target, draft_vocab=48).save_pretrained(tmp_path / "head")
+    weights = tmp_path / "head" / "model.safetensors"
+    state = load_file(str(weights))
+    for key, tensor in (("d2t", state["d2t"].float()), ("fc.weight", state["fc.weight"].long())):
+        save_file({**state, key: tensor}, str(weights))
+        with pytest.raises(ValueError, match=f"{key} is torch"):
+            DartHead.from_pretrained(tmp_path / "head")
+
+
+def test_demo_refuses_an_empty_prompt_and_an_oversized_tree(capsys):
+    one_line_error(["demo", "--prompt", "  "], capsys, "--prompt is empty")
+    one_line_error(["demo", "--remain-total", "100000"], capsys, "above the supported 1024")
+
+
+def test_distill_into_a_directory_of_other_prompts_is_refused(tiny_run, tmp_path, capsys):
+    root, _ = tiny_run
+    prompts = tmp_path / "p.jsonl"
+    out = tmp_path / "d"
+    common = ["distill", "--target", root / "target", "--out", out, "--prompts", prompts, "--field", "q",
+              "--batch-size", "2", "--max-new-tokens", "3"]
+    prompts.write_text("".join(json.dumps({"q": f"hello w{i}"}) + "\n" for i in range(3)))
+    assert main([str(a) for a in common]) == 0
+    assert "wrote 2 new shard(s)" in capsys.readouterr().out
+    assert main([str(a) for a in common]) == 0  # the same job: resumes, nothing to do
+    assert "wrote 0 new shard(s)" in capsys.readouterr().out
+    prompts.write_text("".join(json.dumps({"q": f"world w{i}"}) + "\n" for i in range(3)))
+    one_line_error(common, capsys, "holds shards of another distillation (different prompts_sha256)")
+
+
+# ---- unbounded work -------------------------------------------------------------------------------------------------
+def test_an_impossible_ngram_order_fails_before_training(tiny_run, tmp_path, capsys):
+    root, _ = tiny_run
+    one_line_error(train_args(root, tmp_path / "o", "--ngram", "--ngram-order", "100"), capsys, "key space")
+    assert not (tmp_path / "o" / "checkpoint-latest").exists()
+
+
+def test_bench_refuses_a_file_as_report_directory_before_running(tmp_path, capsys):
+    report = tmp_path / "report"
+    report.write_text("x")
+    one_line_error(["bench", "--out", report, "--no-charts"], capsys, "is a file")
