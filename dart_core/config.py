@@ -75,6 +75,8 @@ class DartConfig:
     extra: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_attention_heads"):  # what head_dim is derived from
+            check_int("DartConfig", name, getattr(self, name))
         if self.head_dim is None:
             if self.hidden_size % self.num_attention_heads:
                 raise ValueError(
