@@ -192,7 +192,7 @@ class DartConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TreeConfig:
-    """Settings of the draft-tree beam search (reference defaults, DESIGN 2.3).
+    """Settings of the draft-tree beam search (reference defaults, docs/DESIGN.md §2.3).
 
     Score of extending a candidate by a token at level l:
     `lw(l) * (ow(l) * log(p + 1e-10) + ngram_weight * log(q + 1e-10))` with `lw(l) = (l+1)**-level_weight_exponent`,

@@ -1,4 +1,4 @@
-"""The DART draft head (DESIGN 2.2): one Llama-style layer that predicts D+1 future positions in one forward."""
+"""The DART draft head (docs/DESIGN.md §2.2): one Llama-style layer that predicts D+1 future positions in one forward."""
 
 from __future__ import annotations
 

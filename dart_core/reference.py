@@ -1,4 +1,4 @@
-"""Slow, obviously-correct re-derivations of DESIGN 2.3-2.4 (dict-based n-gram trie, list-based beam search).
+"""Slow, obviously-correct re-derivations of docs/DESIGN.md §2.3-2.4 (dict-based n-gram trie, list-based beam search).
 
 They are the yardstick the vectorised implementations are tested and benchmarked against; never used for decoding.
 """
@@ -10,7 +10,7 @@ import torch
 
 
 class DictTrie:
-    """A dict-of-counts n-gram store built by walking windows (DESIGN 2.4), independent of NGramModel."""
+    """A dict-of-counts n-gram store built by walking windows (docs/DESIGN.md §2.4), independent of NGramModel."""
 
     def __init__(self, seqs, order):
         self.order, self.counts = order, {}

@@ -124,7 +124,7 @@ def ancestor_mask(parents: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
     return mask
 
 
-# ---- the beam search (DESIGN 2.3) -----------------------------------------------------------------------------
+# ---- the beam search (docs/DESIGN.md §2.3) ---------------------------------------------------------------------------
 
 LOG_EPS = 1e-10  # added to probabilities before the log, as in the reference
 

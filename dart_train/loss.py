@@ -1,6 +1,6 @@
 """The DART training forward (many anchors per sequence in one pass) and the distillation loss.
 
-Notation (DESIGN 2.1): a sequence x[0..T-1]; real row p (p = 0..T-2) pairs the target's tapped hidden states at
+Notation (docs/DESIGN.md §2.1): a sequence x[0..T-1]; real row p (p = 0..T-2) pairs the target's tapped hidden states at
 position p, aux[p], with the embedding of x[p+1]. For an anchor p the inference head (`DartHead.forward` over real
 rows 0..p) returns D+1 outputs: output k (k = 0..D) predicts x[p+2+k], whose teacher distribution is the target's
 next-token distribution at position p+1+k.

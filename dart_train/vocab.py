@@ -2,7 +2,7 @@
 
 The head's `lm_head` predicts over `draft_vocab_size` draft ids. Draft id i stands for target id `target_ids[i]`,
 where `target_ids` are the `draft_vocab_size` most frequent tokens (ties: smaller id first), sorted by target id.
-The head stores the map as buffers (DESIGN 2.2): `d2t[i] = target_ids[i] - i` and `t2d[target_ids] = True`.
+The head stores the map as buffers (docs/DESIGN.md §2.2): `d2t[i] = target_ids[i] - i` and `t2d[target_ids] = True`.
 When the data holds fewer distinct tokens than `draft_vocab_size`, the lowest unused target ids fill the rest.
 """
 

@@ -1,4 +1,4 @@
-"""Shared setup of the SGLang tests: SGLang 0.5.23 on this CPU-only machine (DESIGN 4) and the tiny models."""
+"""Shared setup of the SGLang tests: SGLang 0.5.23 on this CPU-only machine (docs/DESIGN.md §4) and the tiny models."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def set_tree(head_dir: str, **settings) -> None:
 
 
 class Server:
-    """An SGLang server on this CPU (DESIGN 4 recipe), in its own process group; `url` once it answers."""
+    """An SGLang server on this CPU (docs/DESIGN.md §4 recipe), in its own process group; `url` once it answers."""
 
     FLAGS = ["--device", "cpu", "--attention-backend", "triton", "--sampling-backend", "pytorch",
              "--disable-cuda-graph", "--disable-overlap-schedule", "--dtype", "float32",

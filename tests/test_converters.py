@@ -2,7 +2,7 @@
 
 Fixtures are written in the official layouts (the .trie byte for byte by `write_official_trie`, pinned by a hand
 check); converted outputs are compared with straight re-derivations (head logits, dict-based n-gram counts and
-back-off probabilities, DESIGN 2.4).
+back-off probabilities, docs/DESIGN.md §2.4).
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def dict_counts(seqs, order) -> Counter:
 
 
 def dict_probability(counts, order, context, tokens) -> list[float]:
-    """q(t | context) by the back-off rule of DESIGN 2.4, straight from the dict."""
+    """q(t | context) by the back-off rule of docs/DESIGN.md §2.4, straight from the dict."""
     out, matched = [0.0] * len(tokens), [False] * len(tokens)
     for n in range(min(order - 1, len(context)), 0, -1):
         node = tuple(context[-n:])

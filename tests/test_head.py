@@ -1,4 +1,4 @@
-"""DartHead against a loop-based re-derivation of DESIGN 2.2, official-checkpoint loading, cache and bad input."""
+"""DartHead against a loop-based re-derivation of docs/DESIGN.md §2.2, official-checkpoint loading, cache and bad input."""
 
 import json
 import math
@@ -28,7 +28,7 @@ def random_head(seed=0, **overrides):
 
 
 def reference_logits(weights, cfg, aux, ids, emb):
-    """Loop-based single-sequence forward written from DESIGN 2.2, in float64. aux [T, 3Ht], ids [T] -> [D+1, Vd]."""
+    """Loop-based single-sequence forward written from docs/DESIGN.md §2.2, in float64. aux [T, 3Ht], ids [T] -> [D+1, Vd]."""
     w = {k: v.double() for k, v in weights.items()}
     h_size, d, hd = cfg["hidden_size"], cfg["draft_length"], cfg["hidden_size"] // cfg["num_attention_heads"]
     n_heads, n_kv, eps = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["rms_norm_eps"]

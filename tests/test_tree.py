@@ -1,4 +1,4 @@
-"""The draft-tree beam search against a slow, obviously-correct re-derivation of DESIGN 2.3, plus hand-worked cases."""
+"""The draft-tree beam search against a slow, obviously-correct re-derivation of docs/DESIGN.md §2.3, plus hand-worked cases."""
 
 import random
 

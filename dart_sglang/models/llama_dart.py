@@ -1,4 +1,4 @@
-"""`LlamaForCausalLMDart`: SGLang's EAGLE3 draft layer plus DART's `mask_rep` (DESIGN 2.2).
+"""`LlamaForCausalLMDart`: SGLang's EAGLE3 draft layer plus DART's `mask_rep` (docs/DESIGN.md §2.2).
 
 SGLang loads it as the draft model of `--speculative-algorithm DART` (weights, TP-aware linear layers, the target's
 shared embedding, `d2t` -> `hot_token_id`). The DART worker drives it through `real_rows` / `draft_logits`, not

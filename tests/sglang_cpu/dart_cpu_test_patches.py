@@ -1,7 +1,7 @@
 """Test-only SGLang plugin (never part of dart_sglang): lets an SGLang 0.5.23 server run on this CPU-only machine.
 
 Loaded through the entry point in `dart_spec_cpu_test_patches-0.dist-info` when `tests/sglang_cpu` is on
-PYTHONPATH. Three switches (DESIGN 4): RoPE takes its CPU path instead of importing vllm, and the EAGLE tree build
+PYTHONPATH. Three switches (docs/DESIGN.md §4): RoPE takes its CPU path instead of importing vllm, and the EAGLE tree build
 and verify-slot assignment take SGLang's own Triton kernels (run by TRITON_INTERPRET=1) as on XPU. With
 DART_TEST_LOGITS_LOG set it also checks the served head's logits against dart_core.DartHead.
 """
