@@ -7,6 +7,7 @@ import importlib.util
 import platform
 from pathlib import Path
 
+from dart_cli.errors import UsageError
 from dart_hf.bench import METHODS, PROMPT_SETS
 
 
@@ -42,8 +43,6 @@ def add_bench(sub) -> None:
 
 
 def _run_bench(args: argparse.Namespace) -> int:
-    from dart_cli.main import UsageError
-
     if args.per_set < 1 or args.repeats < 1 or args.max_new_tokens < 1 or args.threads < 1:
         raise UsageError("--per-set, --repeats, --max-new-tokens and --threads must be >= 1")
     chosen = args.methods or [m for m in METHODS if m != "eagle3" or args.eagle3]

@@ -10,12 +10,9 @@ from dart_core.config import TreeConfig
 
 from dart_cli.bench import add_bench
 from dart_cli.convert import add_convert
+from dart_cli.errors import UsageError
 from dart_cli.serve import add_serve
 from dart_cli.train import add_distill, add_ngram, add_train
-
-
-class UsageError(Exception):
-    """Bad input from the command line; reported as one line and exit status 2."""
 
 
 def _add_demo(sub) -> None:
@@ -93,7 +90,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args.extra = extra
     try:
         return args.run(args)
-    except (UsageError, ValueError, OSError) as err:  # bad input, or the file system said no (full, read-only)
+    except (ValueError, OSError) as err:  # bad input (UsageError is one), or the file system said no (full, read-only)
         print(f"dart-spec {args.command}: error: {_one_line(err)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

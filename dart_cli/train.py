@@ -9,10 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-
-
-class UsageError(ValueError):
-    """Bad command-line input (a ValueError: `dart-spec` reports it as one line, exit status 2)."""
+from dart_cli.errors import UsageError
 
 
 # ---- distill --------------------------------------------------------------------------------------------------------
