@@ -8,11 +8,17 @@ Greedy, batch 1, `--max-new-tokens` (128) per prompt, MT-Bench first turns and t
 template) from ../shared/data. For each prompt plain `generate()` and DART run back to back on the same machine;
 tokens/s are summed per set and the speedup is the ratio of the two within this run. The tree size is the cached
 calibration for this machine if there is one (`dart-spec demo --calibrate`), else the head's.
+
+`--kernel-control` adds a third run per prompt: plain `generate()` whose one-row linear products are computed as a
+two-row `W @ x.T` product (the row twice, one result kept) - the few-row kernel DART's verify step uses
+(`dart_core.matmul`), given to plain decoding too. It tells how much of the speedup is that kernel rather than
+drafting: `speedup_vs_kernel_control` is DART over it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import statistics
@@ -23,6 +29,7 @@ from pathlib import Path
 import torch
 
 import dart_hf
+from dart_core.matmul import few_row_linear
 from results_io import write_results
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
@@ -43,6 +50,27 @@ def timed_generate(model, ids, max_new_tokens, **kwargs):
     return out, time.perf_counter() - t0
 
 
+@contextlib.contextmanager
+def one_row_as_two_rows(model):
+    """Within the block, every fp32 CPU nn.Linear of `model` computes a one-row input as a two-row `W @ x.T`
+    product (the kernel control); other inputs as `dart_core.matmul.few_row_linear` does."""
+    def forward(self, x):
+        if x.numel() == x.shape[-1]:  # one row
+            row = x.reshape(1, -1)
+            out = (self.weight @ torch.cat((row, row)).T)[:, :1].T.contiguous()
+            return (out if self.bias is None else out + self.bias).view(*x.shape[:-1], -1)
+        return few_row_linear(x, self.weight, self.bias)
+
+    layers = [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.dtype == torch.float32]
+    for layer in layers:
+        layer.forward = forward.__get__(layer)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer.forward
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="write results here")
@@ -52,6 +80,8 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--head", metavar="DIR", help="another DART head for SmolLM2 (default: the shipped one)")
     parser.add_argument("--remain-total", type=int, help="draft nodes per tree (default: calibrated, else the head's)")
+    parser.add_argument("--kernel-control", action="store_true",
+                        help="also time plain decoding with the few-row kernel (see above)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     model, tokenizer, head = dart_hf.load_default(args.head)
@@ -62,9 +92,9 @@ def main(argv=None) -> int:
     results = {"max_new_tokens": args.max_new_tokens, "threads": args.threads,
                "tree_nodes": head.tree_config.remain_total if head.tree_config else None, "sets": {}}
     for name, prompts in prompt_sets(args.mt_bench, args.humaneval).items():
-        plain_tokens = dart_tokens = 0
-        plain_time = dart_time = 0.0
-        accepted, identical = [], 0
+        plain_tokens = dart_tokens = control_tokens = 0
+        plain_time = dart_time = control_time = 0.0
+        accepted, identical, control_identical = [], 0, 0
         for text in prompts:
             ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                                 return_tensors="pt", return_dict=True)["input_ids"]
@@ -75,16 +105,29 @@ def main(argv=None) -> int:
             dart_tokens += dart.shape[1] - ids.shape[1]
             plain_time, dart_time = plain_time + t_plain, dart_time + t_dart
             accepted += model.dart_stats.accepted_lengths
+            if args.kernel_control:
+                with one_row_as_two_rows(model):
+                    control, t_control = timed_generate(model, ids, args.max_new_tokens)
+                control_identical += int(torch.equal(plain, control))
+                control_tokens += control.shape[1] - ids.shape[1]
+                control_time += t_control
         pooled = dart_hf.DartStats(accepted_lengths=accepted)  # every verify step of the set
         row = {"prompts": len(prompts), "identical": identical,
                "plain_tokens_per_s": plain_tokens / plain_time, "dart_tokens_per_s": dart_tokens / dart_time,
                "tau": pooled.tau, "acceptance_by_position": pooled.acceptance_by_position(),
                "median_accepted": statistics.median(accepted) if accepted else 0}
         row["speedup"] = row["dart_tokens_per_s"] / row["plain_tokens_per_s"]
+        control = ""
+        if args.kernel_control:
+            row.update(control_tokens_per_s=control_tokens / control_time, control_identical=control_identical)
+            row["speedup_vs_kernel_control"] = row["dart_tokens_per_s"] / row["control_tokens_per_s"]
+            control = (f", plain with the few-row kernel {row['control_tokens_per_s']:.1f} tok/s "
+                       f"({control_identical}/{len(prompts)} identical to plain; "
+                       f"DART {row['speedup_vs_kernel_control']:.2f}x of it)")
         results["sets"][name] = row
         print(f"{name}: {identical}/{len(prompts)} identical, plain {row['plain_tokens_per_s']:.1f} tok/s, "
               f"DART {row['dart_tokens_per_s']:.1f} tok/s, speedup {row['speedup']:.2f}x, tau {row['tau']:.2f}, "
-              f"acceptance by position {[round(a, 2) for a in row['acceptance_by_position']]}")
+              f"acceptance by position {[round(a, 2) for a in row['acceptance_by_position']]}{control}")
     if args.json:
         write_results(args.json, results)
     return 0
