@@ -11,7 +11,7 @@ Where a DART head predicts D+1 positions in one forward (mask rows), this drafte
 
 `draft_candidates` + `select_draft_tree` build an EAGLE-2/3 dynamic tree from that (`TreeConfig.topk` = branching
 and beam per level, `TreeConfig.remain_total` = draft nodes kept, `TreeConfig.max_depth` levels, default D+1); the result is a `DraftTree` that the
-same verification as DART's consumes. Training (`dart_train.loss.eagle3_training_forward`) unrolls the same D+1
+same verification as DART's consumes. Training (`Eagle3Head.training_forward`) unrolls the same D+1
 steps with the teacher's tokens.
 """
 
@@ -110,6 +110,45 @@ class Eagle3Head(DartHead):
         layer = self.midlayer
         h = hidden + layer.self_attn.attend(q, keys, values, additive_mask(see, hidden.dtype))
         return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    # ---- the drafter interface (`DartHead`'s, with this drafter's mechanics) ----------------------------------
+    def draft(self, aux_rows: torch.Tensor, new_ids: torch.Tensor, cache: DartHeadCache,
+              tree_config: TreeConfig) -> "DraftCandidates":
+        """D+1 (or `tree_config.max_depth`) autoregressive levels with `tree_config.topk` as branching and beam."""
+        return self.draft_candidates(aux_rows, new_ids, cache, tree_config.topk, tree_config.max_depth)
+
+    def build_tree(self, candidates: "DraftCandidates", context: torch.Tensor, ngram,
+                   tree_config: TreeConfig) -> DraftTree:
+        """The `tree_config.remain_total` best candidates (no n-gram prior: `ngram` is ignored)."""
+        return select_draft_tree(candidates, context[-1], tree_config.remain_total)
+
+    def training_forward(self, aux: torch.Tensor, shifted_ids: torch.Tensor,
+                         anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The EAGLE3-style drafter unrolled over its D+1 steps with the teacher's tokens ("training-time test").
+
+        Same inputs and outputs as `DartHead.training_forward`: real_logits [B, N, Vd] (step 0 at every real row) and
+        block_logits [B, A, D, Vd], where entry [b, a, j-1] is step j for anchor p = anchors[b, a]: the chain row of
+        token x[p+1+j] (= shifted_ids[p+j]) fed the step j-1 output of the same anchor, at RoPE position p+j, seeing real
+        rows <= p and the anchor's chain rows 1..j. It predicts x[p+2+j], like mask row j of a DART head, so
+        `dart_loss` applies unchanged. Equal to `Eagle3Head` inference on each prefix (tests/test_eagle3.py).
+        """
+        self._require_embeddings()
+        b, n = shifted_ids.shape
+        a = anchors.shape[1]
+        h_real, k_real, v_real, _ = self.real_rows(aux, shifted_ids)  # [B, N, H], [B, kv, N, hd]
+        rows = torch.arange(b, device=anchors.device)[:, None]
+        see_real = torch.arange(n, device=anchors.device)[None, None, :] <= anchors[:, :, None]  # [B, A, N]
+        same_anchor = torch.eye(a, dtype=torch.bool, device=anchors.device).expand(b, a, a)
+        keys, values, visible = k_real, v_real, see_real
+        hidden = h_real[rows, anchors]  # [B, A, H] step 0 output at each anchor
+        steps = []
+        for j in range(1, self.config.draft_length + 1):
+            tokens = shifted_ids[rows, (anchors + j).clamp(max=n - 1)]  # beyond the sequence: never eligible
+            hidden, k, v = self.chain_rows(tokens, hidden, anchors + j, keys, values, visible)
+            steps.append(hidden)
+            keys, values = torch.cat((keys, k), dim=2), torch.cat((values, v), dim=2)
+            visible = torch.cat((visible, same_anchor), dim=-1)
+        return self.logits(h_real), self.logits(torch.stack(steps, dim=2))
 
     # ---- drafting a tree (batch size 1) ---------------------------------------------------------------------
     @torch.no_grad()

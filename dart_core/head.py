@@ -12,6 +12,7 @@ from torch import nn
 
 from dart_core.config import CONFIG_NAME, DartConfig, TreeConfig
 from dart_core.io import atomic_write, load_safetensors_checked, save_safetensors_atomic
+from dart_core.tree import DraftTree, build_draft_tree, topk_draft_tokens
 
 WEIGHTS_NAME = "model.safetensors"
 NGRAM_NAME = "ngram.safetensors"
@@ -305,11 +306,14 @@ class DartHead(nn.Module):
         mask = step_attention_mask(past, lengths, span, t, d, dtype)  # [B, 1, T+D, span+T+D]
         return residual + layer.self_attn.attend(q, keys, values, mask), k, v, lengths
 
+    def _require_embeddings(self) -> None:
+        if self._embed is None:
+            raise RuntimeError(f"{type(self).__name__} has no input embeddings: call head.set_input_embeddings("
+                               "target.get_input_embeddings()) first")
+
     def _check_inputs(self, aux, ids, cache, lengths) -> tuple[int, int]:
         cfg = self.config
-        if self._embed is None:
-            raise RuntimeError("DartHead has no input embeddings: call head.set_input_embeddings("
-                               "target.get_input_embeddings()) first")
+        self._require_embeddings()
         if aux.dim() != 3 or aux.shape[-1] != 3 * cfg.target_hidden_size:
             raise ValueError(f"aux_hidden must be [B, T, {3 * cfg.target_hidden_size}] (3 taps x target hidden "
                              f"{cfg.target_hidden_size}), got {list(aux.shape)}")
@@ -327,6 +331,55 @@ class DartHead(nn.Module):
         if lengths is not None and (lengths.shape != (b,) or bool((lengths < 1).any()) or bool((lengths > t).any())):
             raise ValueError(f"lengths must be [B]={b} values in 1..T={t}, got {lengths.tolist()}")
         return b, t
+
+    # ---- the drafter interface: what decoding, calibration and training call ---------------------------------
+    # (a drafter with other mechanics, `dart_core.eagle3.Eagle3Head`, overrides these three)
+    def draft(self, aux_rows: torch.Tensor, new_ids: torch.Tensor, cache: DartHeadCache,
+              tree_config: TreeConfig) -> tuple[torch.Tensor, torch.Tensor]:
+        """One drafting pass for one sequence: the new real rows aux_rows [1, T, 3*Ht] / new_ids [1, T] (appended
+        to `cache`) -> the candidates `build_tree` takes: per level the top-k (target ids [L, K], probabilities
+        [L, K]), L = D+1 or `tree_config.max_depth`."""
+        logits = self(aux_rows, new_ids, cache=cache)[0, : tree_config.max_depth]  # [L, Vd]
+        return topk_draft_tokens(logits, tree_config.topk, self.d2t)
+
+    def build_tree(self, candidates, context: torch.Tensor, ngram, tree_config: TreeConfig) -> DraftTree:
+        """The draft tree from `draft`'s candidates: the beam search with the n-gram prior (docs/DESIGN.md §2.3);
+        `context` [C] ends with the root."""
+        tokens, probs = candidates
+        return build_draft_tree(tokens, probs, context, ngram, tree_config)
+
+    def training_forward(self, aux: torch.Tensor, shifted_ids: torch.Tensor,
+                         anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Training: all real rows and the D predictions of A anchors in one pass (docs/DESIGN.md §1.5).
+
+        aux [B, N, 3*Ht], shifted_ids [B, N] (row i embeds x[i+1]), anchors [B, A] in 0..N-1 -> (real_logits
+        [B, N, Vd]: prediction k=0 of every real row, block_logits [B, A, D, Vd]: predictions k=1..D of each anchor).
+        Rows: the N real rows, then a block of D mask rows per anchor p (input mask_rep, residual mask_rep[:H], RoPE
+        positions p+1..p+D) that sees the real rows <= p and its own earlier rows only (`training_visibility`), so
+        every output equals the inference forward on its prefix.
+        """
+        self._require_embeddings()
+        b, n = shifted_ids.shape
+        a = anchors.shape[1]
+        cfg = self.config
+        d, h_size = cfg.draft_length, cfg.hidden_size
+        dtype = self.fc.weight.dtype
+        layer = self.midlayer
+
+        s = self.fc(aux.to(dtype))  # [B, N, H]
+        e = self.get_input_embeddings()(shifted_ids).to(dtype)  # [B, N, H]
+        x_real = torch.cat((layer.input_layernorm(e), layer.hidden_norm(s)), dim=-1)  # [B, N, 2H]
+        mask_rows = layer.mask_rep.to(dtype).expand(b, a * d, 2 * h_size)
+        x = torch.cat((x_real, mask_rows), dim=1)  # [B, S, 2H]
+        residual = torch.cat((s, mask_rows[..., :h_size]), dim=1)  # [B, S, H]
+
+        positions = training_positions(anchors, n, d)
+        q, k, v = layer.self_attn.qkv(x, positions, self.inv_freq)
+        mask = additive_mask(training_visibility(anchors, n, d), q.dtype)
+        h = residual + layer.self_attn.attend(q, k, v, mask)
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        logits = self.lm_head(self.norm(self.norm(h)))  # the reference's double final norm
+        return logits[:, :n], logits[:, n:].reshape(b, a, d, -1)
 
     # ---- loading and saving ---------------------------------------------------------------------------------
     @classmethod
@@ -461,3 +514,32 @@ def check_draft_vocab(d2t: torch.Tensor, vocab_size: int, source: str = "head") 
     if d2t.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
         raise ValueError(f"{source}: d2t maps draft ids to target ids in [{int(ids.min())}, {int(ids.max())}], "
                          f"outside the target vocab 0..{vocab_size - 1}")
+
+
+def training_positions(anchors: torch.Tensor, num_real: int, draft_length: int) -> torch.Tensor:
+    """RoPE positions [B, N + A*D]: real row i at i, row j (1..D) of the block of anchor p at p + j."""
+    b, a = anchors.shape
+    device = anchors.device
+    real = torch.arange(num_real, device=device).expand(b, num_real)
+    block = anchors[:, :, None] + torch.arange(1, draft_length + 1, device=device)  # [B, A, D]
+    return torch.cat((real, block.reshape(b, a * draft_length)), dim=1)
+
+
+def training_visibility(anchors: torch.Tensor, num_real: int, draft_length: int) -> torch.Tensor:
+    """bool [B, S, S] with S = N + A*D: entry [b, r, c] says whether row r may attend to row c in
+    `DartHead.training_forward`."""
+    b, a = anchors.shape
+    d, n = draft_length, num_real
+    device = anchors.device
+    s = n + a * d
+    see = torch.zeros(b, s, s, dtype=torch.bool, device=device)
+    idx = torch.arange(n, device=device)
+    see[:, :n, :n] = idx[None, :] <= idx[:, None]  # real rows: causal
+    # block rows -> real rows: columns <= the block's anchor
+    block_anchor = anchors.repeat_interleave(d, dim=1)  # [B, A*D]
+    see[:, n:, :n] = idx[None, None, :] <= block_anchor[:, :, None]
+    # block rows -> block rows: same block and not later inside it
+    rows = torch.arange(a * d, device=device)
+    same_block = (rows[:, None] // d) == (rows[None, :] // d)
+    see[:, n:, n:] = same_block & (rows[None, :] <= rows[:, None])
+    return see

@@ -8,13 +8,13 @@ from typing import Optional
 import torch
 from transformers.generation.candidate_generator import CandidateGenerator
 
-from dart_core import DartHead, Eagle3Head, TreeConfig, build_draft_tree, topk_draft_tokens
+from dart_core import DartHead, TreeConfig
 from dart_hf.loop import DartStats
 from dart_hf.target import first_eos, plan_for, tapped_hidden_states
 
 
 class DartCandidateGenerator(CandidateGenerator):
-    """Drafts the best full-depth path of the DART tree as a linear chain.
+    """Drafts the best full-depth path of the drafter's tree as a linear chain.
 
     transformers' assisted loop verifies one chain per step (batch size 1), so this route accepts fewer tokens per
     step than `generate(dart_head=...)`, which verifies the whole tree; it exists for code that goes through the
@@ -26,9 +26,6 @@ class DartCandidateGenerator(CandidateGenerator):
 
     def __init__(self, model, head: DartHead, generation_config, ngram=None,
                  tree_config: Optional[TreeConfig] = None) -> None:
-        if isinstance(head, Eagle3Head):
-            raise ValueError("assistant_model= takes a DART head; the EAGLE3-style drafter builds trees: pass it "
-                             "as generate(dart_head=...)")
         self.plan = plan_for(model, head)
         self.head = head
         self.ngram = ngram if ngram is not None else head.ngram
@@ -54,12 +51,10 @@ class DartCandidateGenerator(CandidateGenerator):
         new_rows = cur - 1 - self.rows
         aux = tapped_hidden_states(model_outputs, self.plan.layer_ids)[:, :new_rows]
         t0 = time.perf_counter()
-        head_logits = self.head(aux, input_ids[:, self.rows + 1 : cur], cache=self.head_cache)[0]  # [D+1, Vd]
-        head_logits = head_logits[: self.tree_config.max_depth]
+        candidates = self.head.draft(aux, input_ids[:, self.rows + 1 : cur], self.head_cache, self.tree_config)
         t1 = time.perf_counter()
         self.rows = cur - 1
-        tokens, probs = topk_draft_tokens(head_logits, self.tree_config.topk, self.head.d2t)
-        tree = build_draft_tree(tokens, probs, input_ids[0, -self.context_len:], self.ngram, self.tree_config)
+        tree = self.head.build_tree(candidates, input_ids[0, -self.context_len:], self.ngram, self.tree_config)
         chain = best_full_depth_path(tree.tokens, tree.parents, tree.depths, tree.scores)
         self.stats.head_time += t1 - t0
         self.stats.tree_time += time.perf_counter() - t1

@@ -8,8 +8,7 @@ from typing import Optional
 
 import torch
 
-from dart_core import DartHead, DraftTreeBatch, TreeConfig, build_draft_tree, topk_draft_tokens, verify_tree
-from dart_core.eagle3 import Eagle3Head, select_draft_tree
+from dart_core import DartHead, DraftTreeBatch, TreeConfig, verify_tree
 from dart_core.matmul import few_row_linears
 from dart_core.tree import DraftTree, score_ranks
 from dart_hf.target import (TargetPlan, check_attention, check_cache, first_eos, keep_accepted_path, plan_for,
@@ -146,20 +145,13 @@ def dart_decoding(model, input_ids: torch.LongTensor, logits_processor, stopping
             streamer.put(new_tokens[:emitted].cpu())
         if finished:
             break
-        # draft: one head forward over the new real rows (+ mask rows), then the tree search
+        # draft: one drafting pass over the new real rows (a DART head: one forward with its mask rows), then the
+        # tree search (the drafter interface, docs/DESIGN.md §1.2)
         t0 = time.perf_counter()
-        if isinstance(head, Eagle3Head):  # the baseline: D+1 autoregressive levels, then the top nodes
-            with few_row_linears(head):
-                candidates = head.draft_candidates(aux_rows, head_input_ids, head_cache, tree_config.topk,
-                                                   tree_config.max_depth)
-            t1 = time.perf_counter()
-            tree = select_draft_tree(candidates, sequence[0, -1], tree_config.remain_total)
-        else:
-            with few_row_linears(head):
-                head_logits = head(aux_rows, head_input_ids, cache=head_cache)[0, : tree_config.max_depth]  # [<=D+1, Vd]
-            t1 = time.perf_counter()
-            cand_tokens, cand_probs = topk_draft_tokens(head_logits, tree_config.topk, head.d2t)
-            tree = build_draft_tree(cand_tokens, cand_probs, sequence[0, -context_len:], ngram, tree_config)
+        with few_row_linears(head):
+            candidates = head.draft(aux_rows, head_input_ids, head_cache, tree_config)
+        t1 = time.perf_counter()
+        tree = head.build_tree(candidates, sequence[0, -context_len:], ngram, tree_config)
         t2 = time.perf_counter()
         stats.head_time += t1 - t0
         stats.tree_time += t2 - t1

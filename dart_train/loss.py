@@ -1,11 +1,12 @@
-"""The DART training forward (many anchors per sequence in one pass) and the distillation loss.
+"""Training a drafter: the training forward on padded batches (many anchors per sequence in one pass), anchors, and
+the distillation loss.
 
 Notation (docs/DESIGN.md §2.1): a sequence x[0..T-1]; real row p (p = 0..T-2) pairs the target's tapped hidden states at
 position p, aux[p], with the embedding of x[p+1]. For an anchor p the inference head (`DartHead.forward` over real
 rows 0..p) returns D+1 outputs: output k (k = 0..D) predicts x[p+2+k], whose teacher distribution is the target's
 next-token distribution at position p+1+k.
 
-Training forward, one pass for a whole sequence and A anchors p_1..p_A (`training_forward`):
+Training forward, one pass for a whole sequence and A anchors p_1..p_A (`DartHead.training_forward`):
 
     rows = [N real rows 0..N-1][block of D mask rows for p_1] ... [block of D mask rows for p_A]
 
@@ -37,37 +38,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from dart_core import DartHead, Eagle3Head
-from dart_core.head import additive_mask
-
-
-# ---- the training mask and positions --------------------------------------------------------------------------------
-def training_positions(anchors: torch.Tensor, num_real: int, draft_length: int) -> torch.Tensor:
-    """RoPE positions [B, N + A*D]: real row i at i, row j (1..D) of the block of anchor p at p + j."""
-    b, a = anchors.shape
-    device = anchors.device
-    real = torch.arange(num_real, device=device).expand(b, num_real)
-    block = anchors[:, :, None] + torch.arange(1, draft_length + 1, device=device)  # [B, A, D]
-    return torch.cat((real, block.reshape(b, a * draft_length)), dim=1)
-
-
-def training_visibility(anchors: torch.Tensor, num_real: int, draft_length: int) -> torch.Tensor:
-    """bool [B, S, S] with S = N + A*D: entry [b, r, c] says whether row r may attend to row c (see module doc)."""
-    b, a = anchors.shape
-    d, n = draft_length, num_real
-    device = anchors.device
-    s = n + a * d
-    see = torch.zeros(b, s, s, dtype=torch.bool, device=device)
-    idx = torch.arange(n, device=device)
-    see[:, :n, :n] = idx[None, :] <= idx[:, None]  # real rows: causal
-    # block rows -> real rows: columns <= the block's anchor
-    block_anchor = anchors.repeat_interleave(d, dim=1)  # [B, A*D]
-    see[:, n:, :n] = idx[None, None, :] <= block_anchor[:, :, None]
-    # block rows -> block rows: same block and not later inside it
-    rows = torch.arange(a * d, device=device)
-    same_block = (rows[:, None] // d) == (rows[None, :] // d)
-    see[:, n:, n:] = same_block & (rows[None, :] <= rows[:, None])
-    return see
+from dart_core import DartHead
 
 
 # ---- the training forward -------------------------------------------------------------------------------------------
@@ -85,84 +56,18 @@ def clear_padding(aux: torch.Tensor, shifted_ids: torch.Tensor,
     return torch.where(real[..., None], aux, 0.0), torch.where(real, shifted_ids, 0)
 
 
-def training_forward(head: DartHead, aux: torch.Tensor, shifted_ids: torch.Tensor, anchors: torch.Tensor,
-                     lengths: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """aux [B, N, 3*Ht], shifted_ids [B, N] (row i embeds x[i+1]), anchors [B, A] in 0..N-1 ->
-    (real_logits [B, N, Vd] = prediction k=0 of every real row, block_logits [B, A, D, Vd] = predictions k=1..D).
-
-    `lengths` [B] (default N): real rows of each batch row; rows past it (right padding) are cleared
-    (`clear_padding`) and only disturb later padding rows, never valid ones, as long as every anchor lies inside its
-    row's real rows.
-    """
-    if head.get_input_embeddings() is None:
-        raise RuntimeError("the head has no input embeddings: call head.set_input_embeddings(...) first")
-    aux, shifted_ids = clear_padding(aux, shifted_ids, lengths)
-    b, n = shifted_ids.shape
-    a = anchors.shape[1]
-    cfg = head.config
-    d, h_size = cfg.draft_length, cfg.hidden_size
-    dtype = head.fc.weight.dtype
-    layer = head.midlayer
-
-    s = head.fc(aux.to(dtype))  # [B, N, H]
-    e = head.get_input_embeddings()(shifted_ids).to(dtype)  # [B, N, H]
-    x_real = torch.cat((layer.input_layernorm(e), layer.hidden_norm(s)), dim=-1)  # [B, N, 2H]
-    mask_rows = layer.mask_rep.to(dtype).expand(b, a * d, 2 * h_size)
-    x = torch.cat((x_real, mask_rows), dim=1)  # [B, S, 2H]
-    residual = torch.cat((s, mask_rows[..., :h_size]), dim=1)  # [B, S, H]
-
-    positions = training_positions(anchors, n, d)
-    q, k, v = layer.self_attn.qkv(x, positions, head.inv_freq)
-    mask = additive_mask(training_visibility(anchors, n, d), q.dtype)
-    h = residual + layer.self_attn.attend(q, k, v, mask)
-    h = h + layer.mlp(layer.post_attention_layernorm(h))
-    logits = head.lm_head(head.norm(head.norm(h)))  # the reference's double final norm
-    return logits[:, :n], logits[:, n:].reshape(b, a, d, -1)
-
-
-def eagle3_training_forward(head: Eagle3Head, aux: torch.Tensor, shifted_ids: torch.Tensor, anchors: torch.Tensor,
-                            lengths: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The EAGLE3-style drafter unrolled over its D+1 steps with the teacher's tokens ("training-time test").
-
-    Same inputs and outputs as `training_forward`: real_logits [B, N, Vd] (step 0 at every real row) and
-    block_logits [B, A, D, Vd], where entry [b, a, j-1] is step j for anchor p = anchors[b, a]: the chain row of
-    token x[p+1+j] (= shifted_ids[p+j]) fed the step j-1 output of the same anchor, at RoPE position p+j, seeing real
-    rows <= p and the anchor's chain rows 1..j. It predicts x[p+2+j], like mask row j of a DART head, so
-    `dart_loss` applies unchanged. Equal to `Eagle3Head` inference on each prefix (tests/test_eagle3.py).
-    """
-    if head.get_input_embeddings() is None:
-        raise RuntimeError("the head has no input embeddings: call head.set_input_embeddings(...) first")
-    aux, shifted_ids = clear_padding(aux, shifted_ids, lengths)
-    b, n = shifted_ids.shape
-    a = anchors.shape[1]
-    h_real, k_real, v_real, _ = head.real_rows(aux, shifted_ids)  # [B, N, H], [B, kv, N, hd]
-    rows = torch.arange(b, device=anchors.device)[:, None]
-    see_real = torch.arange(n, device=anchors.device)[None, None, :] <= anchors[:, :, None]  # [B, A, N]
-    same_anchor = torch.eye(a, dtype=torch.bool, device=anchors.device).expand(b, a, a)
-    keys, values, visible = k_real, v_real, see_real
-    hidden = h_real[rows, anchors]  # [B, A, H] step 0 output at each anchor
-    steps = []
-    for j in range(1, head.config.draft_length + 1):
-        tokens = shifted_ids[rows, (anchors + j).clamp(max=n - 1)]  # beyond the sequence: never eligible
-        hidden, k, v = head.chain_rows(tokens, hidden, anchors + j, keys, values, visible)
-        steps.append(hidden)
-        keys, values = torch.cat((keys, k), dim=2), torch.cat((values, v), dim=2)
-        visible = torch.cat((visible, same_anchor), dim=-1)
-    return head.logits(h_real), head.logits(torch.stack(steps, dim=2))
-
-
 class TrainingForward(nn.Module):
-    """The training forward of `head` as a module (what DistributedDataParallel wraps: gradients sync through its
-    forward): `eagle3_training_forward` for an `Eagle3Head`, `training_forward` for a DART head."""
+    """The drafter's `training_forward` on a right-padded batch as a module (what DistributedDataParallel wraps:
+    gradients sync through its forward). `lengths` [B] (default N): real rows of each batch row; the rows past it
+    are cleared (`clear_padding`) and, as long as every anchor lies inside its row's real rows, only disturb later
+    padding rows, never valid ones."""
 
     def __init__(self, head: DartHead) -> None:
         super().__init__()
         self.head = head
 
     def forward(self, aux, shifted_ids, anchors, lengths=None):
-        if isinstance(self.head, Eagle3Head):
-            return eagle3_training_forward(self.head, aux, shifted_ids, anchors, lengths)
-        return training_forward(self.head, aux, shifted_ids, anchors, lengths)
+        return self.head.training_forward(*clear_padding(aux, shifted_ids, lengths), anchors)
 
 
 # ---- anchors --------------------------------------------------------------------------------------------------------
@@ -230,7 +135,7 @@ def dart_loss(real_logits: torch.Tensor, block_logits: torch.Tensor, target_logi
               prompt_lengths: torch.Tensor, gamma: float = 0.6) -> LossOutput:
     """The loss of the module docstring.
 
-    real_logits [B, N, Vd], block_logits [B, A, D, Vd] from `training_forward`; target_logits [B, T, Vd] with
+    real_logits [B, N, Vd], block_logits [B, A, D, Vd] from `DartHead.training_forward`; target_logits [B, T, Vd] with
     T >= N + 1: the target's logits at every position, already restricted to the draft vocabulary (columns
     `draft_to_target(arange(Vd))`); seq_lengths / prompt_lengths [B] (T_b and the prompt tokens of each row).
     """

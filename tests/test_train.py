@@ -13,13 +13,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import dart_train.loss as loss_mod
+import dart_core.head as head_mod
 from dart_cli.main import main
 from dart_core import DartHead, NGramModel, TreeConfig
 from dart_train.data import read_shards, write_shard
 from dart_train.features import collate, target_features
-from dart_train.loss import (anchor_range, choose_anchors, dart_loss, kl_and_agreement, training_forward,
-                             training_visibility)
+from dart_core.head import training_visibility
+from dart_train.loss import TrainingForward, anchor_range, choose_anchors, dart_loss, kl_and_agreement
 from dart_train.trainer import TrainConfig, Trainer, heldout_mask, lr_factor, split_windows, train
 from dart_train.vocab import build_draft_vocab, count_tokens, draft_vocab_buffers, select_draft_tokens
 from hf_models import random_head, tiny_target
@@ -43,7 +43,7 @@ def _head_and_inputs(seed: int, draft_length: int, n: int = 13, batch: int = 2):
 def _max_error_vs_inference(head, aux, ids, anchors) -> float:
     """Largest |training output - inference output on the prefix| over all anchors and all D+1 positions."""
     with torch.no_grad():
-        real, blocks = training_forward(head, aux, ids, anchors)
+        real, blocks = head.training_forward(aux, ids, anchors)
         err = 0.0
         for b in range(anchors.shape[0]):
             for a in range(anchors.shape[1]):
@@ -81,7 +81,7 @@ def _real_rows_see_blocks(anchors, n, d):
 @pytest.mark.parametrize("broken", [_blocks_see_each_other, _blocks_see_later_real_rows, _real_rows_see_blocks])
 def test_a_leaky_training_mask_fails_the_equivalence_check(monkeypatch, broken):
     head, aux, ids, anchors = _head_and_inputs(0, 4)
-    monkeypatch.setattr(loss_mod, "training_visibility", broken)
+    monkeypatch.setattr(head_mod, "training_visibility", broken)
     assert _max_error_vs_inference(head, aux, ids, anchors) > 1e-2
 
 
@@ -95,7 +95,7 @@ def test_training_mask_hand_case():
                    [1, 1, 0, 1, 1, 0, 0],
                    [1, 0, 0, 0, 0, 1, 0],
                    [1, 0, 0, 0, 0, 1, 1]]
-    assert loss_mod.training_positions(torch.tensor([[1, 0]]), 3, 2).tolist() == [[0, 1, 2, 2, 3, 1, 2]]
+    assert head_mod.training_positions(torch.tensor([[1, 0]]), 3, 2).tolist() == [[0, 1, 2, 2, 3, 1, 2]]
 
 
 # ---- loss, eligibility, anchors -----------------------------------------------------------------------------------
@@ -305,7 +305,8 @@ def test_cli_distill_prompts_and_text(tiny_run, tmp_path, capsys):
     assert main(["distill", "--target", str(root / "target"), "--out", str(out), "--prompts", str(prompts),
                  "--field", "question", "--limit", "3", "--batch-size", "2", "--max-new-tokens", "4"]) == 0
     rows = list(read_shards(out))
-    assert len(rows) == 3 and sorted(p.name for p in out.iterdir()) == ["shard-00000.npz", "shard-00001.npz"]
+    assert len(rows) == 3
+    assert sorted(p.name for p in out.iterdir()) == ["distill.json", "shard-00000.npz", "shard-00001.npz"]
     assert rows[0][0][: rows[0][1]].tolist() == [95, 93, 3, 94] and len(rows[0][0]) == rows[0][1] + 4
     text = tmp_path / "corpus.txt"
     text.write_text("hello w1 w2 w3\nw4 world\n\n\nw7 w7 w7 w8\n")
@@ -368,7 +369,7 @@ def test_non_finite_padding_rows_reach_neither_the_loss_nor_the_gradients(autoca
     def loss_and_grads(aux):
         head.zero_grad()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            real, blocks = training_forward(head, aux, ids, anchors, real_rows)
+            real, blocks = TrainingForward(head)(aux, ids, anchors, real_rows)
         out = dart_loss(real, blocks, teacher, anchors, valid, seq_lengths, prompts)
         out.loss.backward()
         return out.loss.detach(), [p.grad.clone() for p in head.parameters() if p.grad is not None]
