@@ -84,7 +84,8 @@ def dart_decoding(model, input_ids: torch.LongTensor, logits_processor, stopping
                   synced_gpus: bool = False, streamer=None, *, dart_head: Optional[DartHead] = None, dart_ngram=None,
                   dart_tree_config: Optional[TreeConfig] = None, dart_streamer=None, dart_tokenizer=None,
                   **model_kwargs):
-    """Tree decoding loop for `model.generate(..., custom_generate=dart_decoding, dart_head=head)`.
+    """Tree decoding loop for `model.generate(..., custom_generate=dart_decoding, dart_head=head)`: `prefill`, then
+    `draft` and `verify_step` until a stopping criterion holds on an accepted prefix (docs/DESIGN.md §1.3).
 
     Output is exactly what `generate()` returns without DART (greedy: token for token; sampling: same distribution).
     An `Eagle3Head` (the EAGLE3-style baseline) drafts its tree autoregressively instead (`dart_core.eagle3`), with
@@ -101,9 +102,7 @@ def dart_decoding(model, input_ids: torch.LongTensor, logits_processor, stopping
     cache = model_kwargs["past_key_values"]
     ngram = dart_ngram if dart_ngram is not None else head.ngram
     tree_config = dart_tree_config or head.tree_config or head.default_tree_config(first_eos(generation_config))
-    context_len = max(ngram.order - 1, 1) if ngram is not None else 1
-    processors = logits_processor if logits_processor is not None and len(logits_processor) else None
-    do_sample = bool(generation_config.do_sample)
+    verifier = _Verifier(model, plan, cache, logits_processor, bool(generation_config.do_sample))
     want_scores = generation_config.return_dict_in_generate and generation_config.output_scores
     want_logits = generation_config.return_dict_in_generate and generation_config.output_logits
     scores, raw_logits = [], []
@@ -112,72 +111,22 @@ def dart_decoding(model, input_ids: torch.LongTensor, logits_processor, stopping
     if streamer is not None:
         streamer.put(input_ids.cpu())
 
-    device = input_ids.device
-    dtype = next(model.parameters()).dtype
-    taps = list(plan.layer_ids)
-
-    # prefill: the target over the prompt; its last position picks the first token (a one-node "tree")
-    t0 = time.perf_counter()
-    n = input_ids.shape[1]
-    positions = torch.arange(n, device=device)[None]
-    out = model(input_ids=input_ids, position_ids=positions, past_key_values=cache, use_cache=True,
-                output_hidden_states=taps)
-    root_only = DraftTree(input_ids[0, -1:], torch.tensor([-1]), torch.tensor([0]), torch.zeros(1))
-    node_logits = out.logits[:, -1:].float()  # [1, 1, V]
-    result = verify_tree(DraftTreeBatch.stack([root_only]), node_logits, context_ids=input_ids,
-                         logits_processor=processors, do_sample=do_sample)
-    new_tokens = result.bonus_token.to(device)  # [1]
-    path_logits = node_logits[0]
-    aux_rows = tapped_hidden_states(out, plan.layer_ids)  # [1, n, 3H]
+    step = prefill(verifier, input_ids, stats)
     head_cache = head.new_cache(1)
-    head_input_ids = torch.cat((input_ids[:, 1:], new_tokens[None]), dim=1)
-    stats.prefill_time = time.perf_counter() - t0
-
     sequence = input_ids
     while True:
-        emitted, finished = _emit(sequence, new_tokens, stopping_criteria)
+        emitted, finished = _emit(sequence, step.new_tokens, stopping_criteria)
         if want_scores or want_logits:
-            _record_scores(scores, raw_logits, sequence, new_tokens[:emitted], path_logits, processors, want_scores,
-                           want_logits)
-        sequence = torch.cat((sequence, new_tokens[None, :emitted]), dim=1)
+            _record_scores(scores, raw_logits, sequence, step.new_tokens[:emitted], step.path_logits,
+                           verifier.processors, want_scores, want_logits)
+        sequence = torch.cat((sequence, step.new_tokens[None, :emitted]), dim=1)
         stats.new_tokens += emitted
         if streamer is not None:
-            streamer.put(new_tokens[:emitted].cpu())
+            streamer.put(step.new_tokens[:emitted].cpu())
         if finished:
             break
-        # draft: one drafting pass over the new real rows (a DART head: one forward with its mask rows), then the
-        # tree search (the drafter interface, docs/DESIGN.md §1.2)
-        t0 = time.perf_counter()
-        with few_row_linears(head):
-            candidates = head.draft(aux_rows, head_input_ids, head_cache, tree_config)
-        t1 = time.perf_counter()
-        tree = head.build_tree(candidates, sequence[0, -context_len:], ngram, tree_config)
-        t2 = time.perf_counter()
-        stats.head_time += t1 - t0
-        stats.tree_time += t2 - t1
-        stats.tree_nodes = tree.num_nodes
-
-        # verify: one target forward over the tree, acceptance, cache compaction
-        past = cache.get_seq_length()
-        node_ids = tree.tokens[None].to(device)
-        node_positions = (past + tree.depths)[None].to(device)
-        mask = tree_attention_mask(tree.ancestor_mask(), past, dtype).to(device)
-        t3 = time.perf_counter()
-        out = tree_forward(model, node_ids, node_positions, mask, cache, plan.layer_ids)
-        stats.target_time += time.perf_counter() - t3
-        logits = out.logits.float()  # [1, N, V]
-        result = verify_tree(DraftTreeBatch.stack([tree]), logits, context_ids=sequence,
-                             logits_processor=processors, do_sample=do_sample)
-        accepted = int(result.accept_length[0])
-        path = result.accepted_nodes[0, : accepted + 1].to(device)  # root first
-        keep_accepted_path(cache, past, path)
-        stats.accepted_lengths.append(accepted)
-        stats.accepted_ranks.append(score_ranks(tree.scores, path[1:]).tolist() if accepted else [])
-        new_tokens = torch.cat((tree.tokens[path[1:]].to(device), result.bonus_token.to(device)))
-        path_logits = logits[0, path]
-        aux_rows = tapped_hidden_states(out, plan.layer_ids)[:, path]  # [1, a+1, 3H]
-        head_input_ids = new_tokens[None]
-        stats.verify_time += time.perf_counter() - t2
+        tree = draft(head, step, head_cache, sequence, ngram, tree_config, stats)
+        step = verify_step(verifier, tree, sequence, stats)
 
     if streamer is not None:
         streamer.end()
@@ -188,6 +137,93 @@ def dart_decoding(model, input_ids: torch.LongTensor, logits_processor, stopping
                                   logits=tuple(raw_logits) if want_logits else None,
                                   past_key_values=cache if generation_config.use_cache else None, dart_stats=stats)
     return sequence
+
+
+@dataclasses.dataclass
+class Step:
+    """What the prefill or a verify step hands to the next draft: the new tokens and the rows the head reads."""
+
+    new_tokens: torch.Tensor  # [a+1] the accepted draft tokens and the bonus token
+    path_logits: torch.Tensor  # [a+1, V] the target logits that chose them
+    aux_rows: torch.Tensor  # [1, R, 3*Ht] the target's tapped hidden states of the head's new real rows
+    head_input_ids: torch.Tensor  # [1, R] the token each of those rows embeds (the next one, docs/DESIGN.md §2.1)
+
+
+@dataclasses.dataclass
+class _Verifier:
+    """The target side of a call: model, taps, KV cache and how tokens are chosen (processors, sampling)."""
+
+    model: object
+    plan: TargetPlan
+    cache: object
+    processors: object
+    do_sample: bool
+
+    def __post_init__(self) -> None:
+        if self.processors is not None and not len(self.processors):
+            self.processors = None
+
+    def accept(self, tree: DraftTree, logits: torch.Tensor, sequence: torch.Tensor):
+        """verify_tree on one tree: logits [1, N, V] of its nodes, `sequence` [1, L] ending with the root."""
+        return verify_tree(DraftTreeBatch.stack([tree]), logits, context_ids=sequence,
+                           logits_processor=self.processors, do_sample=self.do_sample)
+
+
+def prefill(verifier: _Verifier, input_ids: torch.Tensor, stats: DartStats) -> Step:
+    """The target over the prompt [1, n]; its last position picks the first token, verified as a one-node tree so
+    that logits processors and sampling apply exactly as in every later step."""
+    t0 = time.perf_counter()
+    n = input_ids.shape[1]
+    out = verifier.model(input_ids=input_ids, position_ids=torch.arange(n, device=input_ids.device)[None],
+                         past_key_values=verifier.cache, use_cache=True,
+                         output_hidden_states=list(verifier.plan.layer_ids))
+    root_only = DraftTree(input_ids[0, -1:], torch.tensor([-1]), torch.tensor([0]), torch.zeros(1))
+    node_logits = out.logits[:, -1:].float()  # [1, 1, V]
+    new_tokens = verifier.accept(root_only, node_logits, input_ids).bonus_token.to(input_ids.device)  # [1]
+    stats.prefill_time = time.perf_counter() - t0
+    return Step(new_tokens, node_logits[0], tapped_hidden_states(out, verifier.plan.layer_ids),
+                torch.cat((input_ids[:, 1:], new_tokens[None]), dim=1))
+
+
+def draft(head: DartHead, step: Step, head_cache, sequence: torch.Tensor, ngram, tree_config: TreeConfig,
+          stats: DartStats) -> DraftTree:
+    """One drafting pass over the step's new rows (a DART head: one forward with its mask rows) and the tree search
+    (the drafter interface, docs/DESIGN.md §1.2); `sequence` [1, L] ends with the root."""
+    context_len = max(ngram.order - 1, 1) if ngram is not None else 1
+    t0 = time.perf_counter()
+    with few_row_linears(head):
+        candidates = head.draft(step.aux_rows, step.head_input_ids, head_cache, tree_config)
+    t1 = time.perf_counter()
+    tree = head.build_tree(candidates, sequence[0, -context_len:], ngram, tree_config)
+    stats.head_time += t1 - t0
+    stats.tree_time += time.perf_counter() - t1
+    stats.tree_nodes = tree.num_nodes
+    return tree
+
+
+def verify_step(verifier: _Verifier, tree: DraftTree, sequence: torch.Tensor, stats: DartStats) -> Step:
+    """One target forward over the tree, acceptance, and the KV cache compacted to the accepted path."""
+    t0 = time.perf_counter()
+    device = sequence.device
+    dtype = next(verifier.model.parameters()).dtype
+    past = verifier.cache.get_seq_length()
+    mask = tree_attention_mask(tree.ancestor_mask(), past, dtype).to(device)
+    t1 = time.perf_counter()
+    out = tree_forward(verifier.model, tree.tokens[None].to(device), (past + tree.depths)[None].to(device), mask,
+                       verifier.cache, verifier.plan.layer_ids)
+    stats.target_time += time.perf_counter() - t1
+    logits = out.logits.float()  # [1, N, V]
+    result = verifier.accept(tree, logits, sequence)
+    accepted = int(result.accept_length[0])
+    path = result.accepted_nodes[0, : accepted + 1].to(device)  # root first
+    keep_accepted_path(verifier.cache, past, path)
+    stats.accepted_lengths.append(accepted)
+    stats.accepted_ranks.append(score_ranks(tree.scores, path[1:]).tolist() if accepted else [])
+    new_tokens = torch.cat((tree.tokens[path[1:]].to(device), result.bonus_token.to(device)))  # [a+1]
+    step = Step(new_tokens, logits[0, path], tapped_hidden_states(out, verifier.plan.layer_ids)[:, path],
+                new_tokens[None])
+    stats.verify_time += time.perf_counter() - t0
+    return step
 
 
 def _prepare(model, head: DartHead, input_ids, generation_config, model_kwargs, tokenizer) -> TargetPlan:
