@@ -57,7 +57,7 @@ import torch
 from dart_core import DartHead, TreeConfig
 from dart_core.io import atomic_write
 from dart_hf.loop import DartStats, dart_decoding
-from dart_hf.target import first_eos, plan_for, tree_attention_mask, tree_forward
+from dart_hf.target import first_eos, keep_accepted_path, plan_for, tree_attention_mask, tree_forward
 
 FORMAT_VERSION = 1
 LATENCY_GRID = (1, 2, 4, 8, 16, 32, 64)
@@ -188,11 +188,6 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _truncate(cache, length: int) -> None:
-    for layer in cache.layers:
-        layer.keys, layer.values = layer.keys[..., :length, :], layer.values[..., :length, :]
-
-
 @torch.no_grad()
 def measure_latency(model, sizes: Iterable[int], layer_ids: Sequence[int] = (), context_length: int = 256,
                     repeats: int = 5, progress: Optional[bool] = None) -> tuple[dict[int, float], float]:
@@ -215,6 +210,7 @@ def measure_latency(model, sizes: Iterable[int], layer_ids: Sequence[int] = (), 
     block = torch.randint(0, vocab, (1, max(sizes)), generator=gen).to(device)
     cache = DynamicCache(config=model.config)
     model(input_ids=context, past_key_values=cache, use_cache=True)
+    no_nodes = torch.zeros(0, dtype=torch.long, device=device)
 
     def timed(run) -> float:
         _sync(device)
@@ -222,7 +218,7 @@ def measure_latency(model, sizes: Iterable[int], layer_ids: Sequence[int] = (), 
         run()
         _sync(device)
         elapsed = time.perf_counter() - t0
-        _truncate(cache, context_length)
+        keep_accepted_path(cache, context_length, no_nodes)  # the loop's compaction, keeping none of the block
         return elapsed
 
     def verify(k: int) -> None:
