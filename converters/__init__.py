@@ -12,7 +12,7 @@ before swapping it in, so a failure leaves no partial output. CLI: `dart-spec co
 
 from .heads import (
     DTYPES,
-    check_head_against_target,
+    target_shape,
     convert_eagle3,
     convert_official,
     convert_sglang,
@@ -33,7 +33,7 @@ __all__ = [
     "DTYPES",
     "NODE_ORDERS",
     "TrieFormatError",
-    "check_head_against_target",
+    "target_shape",
     "convert_eagle3",
     "convert_official",
     "convert_sglang",

@@ -16,6 +16,7 @@ from safetensors import safe_open
 
 from dart_core import DartConfig, DartHead, NGramModel, TreeConfig
 from dart_core.config import CONFIG_NAME
+from dart_core.fit import TargetShape, check_fits
 from dart_core.head import (NGRAM_FILE_KEY, NGRAM_NAME, OPTIONAL_KEYS, SGLANG_NGRAM_KEY, TREE_CONFIG_KEY,
                              WEIGHTS_NAME, check_draft_vocab, file_inside)
 from dart_core.io import atomic_write, load_safetensors_checked, read_json_object, save_safetensors_atomic
@@ -119,37 +120,10 @@ def read_target_config(target: PathLike) -> dict[str, Any]:
     return out
 
 
-def check_head_against_target(config: DartConfig, d2t: torch.Tensor, target: dict[str, Any],
-                              has_embedding: bool = False) -> list[int]:
-    """Refuse a head that cannot run on `target` (one message naming every mismatch with its numbers); returns the
-    taps (HF hidden_states indices) for that target. `has_embedding`: the checkpoint carries its own token
-    embedding table, so the head need not share the target's (whose width is the target's hidden_size)."""
-    problems = []
-    t_hidden, t_vocab, t_layers = target["hidden_size"], target["vocab_size"], target["num_hidden_layers"]
-    if t_hidden != config.target_hidden_size:
-        problems.append(f"target hidden_size {t_hidden} != head target_hidden_size {config.target_hidden_size} "
-                        f"(fc reads 3 x {config.target_hidden_size})")
-    if t_hidden != config.hidden_size and not has_embedding:
-        problems.append(f"target hidden_size {t_hidden} != head hidden_size {config.hidden_size} (the head embeds "
-                        f"tokens with the target's embedding table and the checkpoint has no {EMBED_KEY})")
-    if d2t.numel():
-        mapped = torch.arange(d2t.shape[0]) + d2t.cpu()
-        lo, hi = int(mapped.min()), int(mapped.max())
-        if lo < 0 or hi >= t_vocab:
-            problems.append(f"d2t maps draft ids to target ids {lo}..{hi}, outside the target vocab 0..{t_vocab - 1}")
-    if t_vocab != config.vocab_size:
-        problems.append(f"target vocab_size {t_vocab} != head vocab_size {config.vocab_size}")
-    taps = None
-    try:
-        taps = config.layer_ids_for(t_layers)
-    except ValueError:
-        ids = config.target_layer_ids
-        need = max(ids) if ids else 4
-        shown = f"taps {ids}" if ids else "the default taps [2, L//2, L-3]"
-        problems.append(f"target num_hidden_layers {t_layers} is too few for {shown} (need at least {need})")
-    if problems:
-        raise ValueError(f"head does not fit the target {target['path']}: " + "; ".join(problems))
-    return taps
+def target_shape(target: dict[str, Any]) -> TargetShape:
+    """The `read_target_config` dict as what `dart_core.fit` checks."""
+    return TargetShape(target["hidden_size"], target["vocab_size"], target["num_hidden_layers"],
+                       f"the target {target['path']}")
 
 
 def _tree_with_eos(tree: Optional[TreeConfig], eos: Optional[int], explicit: bool,
@@ -199,7 +173,7 @@ def convert_official(src: PathLike, dst: PathLike, ngram: Optional[PathLike] = N
 
     tgt = read_target_config(target) if target is not None else None
     if tgt is not None:
-        taps = check_head_against_target(head.config, head.d2t, tgt, has_embedding=embed is not None)
+        taps = check_fits(head.config, head.d2t, target_shape(tgt), has_embedding=embed is not None)
         head.config.num_target_layers = tgt["num_hidden_layers"]
         head.config.target_layer_ids = taps
     eos, note = _pick_eos(tgt, eos_token_id)
@@ -279,7 +253,7 @@ def convert_sglang(src: PathLike, dst: PathLike, target: Optional[PathLike] = No
         if num_target_layers is not None and num_target_layers != tgt["num_hidden_layers"]:
             raise ValueError(f"--num-target-layers {num_target_layers} disagrees with the target's num_hidden_layers "
                              f"{tgt['num_hidden_layers']}")
-        taps = check_head_against_target(config, head.d2t, tgt, has_embedding=embed is not None)
+        taps = check_fits(config, head.d2t, target_shape(tgt), has_embedding=embed is not None)
         config.num_target_layers = tgt["num_hidden_layers"]
     elif num_target_layers is not None:
         if isinstance(num_target_layers, bool) or not isinstance(num_target_layers, int) or num_target_layers < 1:
@@ -420,7 +394,7 @@ def init_mask_rep(hidden_size: int, seed: int) -> torch.Tensor:
 
 __all__ = [
     "DTYPES",
-    "check_head_against_target",
+    "target_shape",
     "convert_eagle3",
     "convert_official",
     "convert_sglang",

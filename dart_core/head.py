@@ -508,12 +508,22 @@ def additive_mask(see: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(see, zero, torch.finfo(dtype).min)[:, None]
 
 
-def check_draft_vocab(d2t: torch.Tensor, vocab_size: int, source: str = "head") -> None:
-    """Every draft id must map into the target vocab."""
+def draft_vocab_problem(d2t: torch.Tensor, vocab_size: int) -> Optional[str]:
+    """Why d2t [Vd] does not map every draft id into the target vocab 0..vocab_size-1, or None when it does."""
+    if not d2t.numel():
+        return None
     ids = torch.arange(d2t.shape[0], device=d2t.device) + d2t
-    if d2t.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
-        raise ValueError(f"{source}: d2t maps draft ids to target ids in [{int(ids.min())}, {int(ids.max())}], "
-                         f"outside the target vocab 0..{vocab_size - 1}")
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= vocab_size:
+        return f"d2t maps draft ids to target ids {lo}..{hi}, outside the target vocab 0..{vocab_size - 1}"
+    return None
+
+
+def check_draft_vocab(d2t: torch.Tensor, vocab_size: int, source: str = "head") -> None:
+    """ValueError (naming `source`) unless every draft id maps into the target vocab."""
+    problem = draft_vocab_problem(d2t, vocab_size)
+    if problem:
+        raise ValueError(f"{source}: {problem}")
 
 
 def training_positions(anchors: torch.Tensor, num_real: int, draft_length: int) -> torch.Tensor:

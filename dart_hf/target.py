@@ -8,7 +8,8 @@ from typing import Optional
 import torch
 
 from dart_core import DartHead
-from dart_core.head import additive_mask, check_draft_vocab
+from dart_core.fit import TargetShape, check_fits
+from dart_core.head import additive_mask
 from dart_core.matmul import few_row_linears
 
 # attention implementations that accept an arbitrary 4D additive mask (a tree mask)
@@ -17,37 +18,28 @@ TREE_ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
 
 @dataclasses.dataclass(frozen=True)
 class TargetPlan:
-    """How to drive one target with one head: which hidden states to request and how to concatenate them."""
+    """How to drive one target with one head: which hidden states to request (and concatenate, in this order)."""
 
     layer_ids: tuple[int, ...]  # HF `hidden_states` indices of the taps (0 = embedding output)
-    vocab_size: int
-    num_layers: int
 
 
 def plan_for(model, head: DartHead, tokenizer=None) -> TargetPlan:
     """Check that `head` fits `model` (and `tokenizer`) and share the target embedding with the head.
 
-    Raises ValueError naming the mismatch and both numbers.
+    Raises ValueError naming every mismatch and its numbers (`dart_core.fit`).
     """
     cfg = model.config.get_text_config()
     if getattr(cfg, "is_encoder_decoder", False) or getattr(model.config, "is_encoder_decoder", False):
         raise ValueError("DART needs a decoder-only causal LM; got an encoder-decoder model")
-    hidden, layers = int(cfg.hidden_size), int(cfg.num_hidden_layers)
-    if hidden != head.config.target_hidden_size:
-        raise ValueError(f"head expects target hidden size {head.config.target_hidden_size} (fc input "
-                         f"{3 * head.config.target_hidden_size}) but the target's hidden_size is {hidden}")
     embedding = model.get_input_embeddings()
     vocab = int(embedding.weight.shape[0])
-    if vocab != head.config.vocab_size:
-        raise ValueError(f"head was built for a vocabulary of {head.config.vocab_size} tokens but the target's "
-                         f"embedding has {vocab} rows")
-    check_draft_vocab(head.d2t, vocab, source="head d2t")
+    shape = TargetShape(int(cfg.hidden_size), vocab, int(cfg.num_hidden_layers), f"the target {type(model).__name__}")
+    layer_ids = check_fits(head.config, head.d2t, shape)
     if tokenizer is not None and len(tokenizer) > vocab:
         raise ValueError(f"tokenizer has {len(tokenizer)} tokens, more than the target vocabulary ({vocab})")
-    layer_ids = head.config.layer_ids_for(layers)
     if head.get_input_embeddings() is not embedding:
         head.set_input_embeddings(embedding)
-    return TargetPlan(layer_ids=tuple(layer_ids), vocab_size=vocab, num_layers=layers)
+    return TargetPlan(layer_ids=tuple(layer_ids))
 
 
 def check_attention(model) -> None:

@@ -93,15 +93,16 @@ def check_fits_target(head_dir: str, target_dir: str) -> None:
     same check `dart-spec convert sglang --target` makes."""
     from safetensors import safe_open
 
-    from dart_converters.heads import EMBED_KEY, check_head_against_target, read_target_config
+    from dart_converters.heads import EMBED_KEY, read_target_config, target_shape
     from dart_core import DartConfig
+    from dart_core.fit import check_fits
     from dart_core.head import WEIGHTS_NAME
 
     with safe_open(os.path.join(head_dir, WEIGHTS_NAME), framework="pt") as fh:
         keys = set(fh.keys())
         d2t = fh.get_tensor("d2t") if "d2t" in keys else torch.zeros(0, dtype=torch.long)
-    check_head_against_target(DartConfig.from_pretrained(head_dir), d2t, read_target_config(target_dir),
-                              has_embedding=EMBED_KEY in keys)
+    check_fits(DartConfig.from_pretrained(head_dir), d2t, target_shape(read_target_config(target_dir)),
+               has_embedding=EMBED_KEY in keys)
 
 
 def is_dart() -> bool:
