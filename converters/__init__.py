@@ -11,7 +11,6 @@ before swapping it in, so a failure leaves no partial output. CLI: `dart-spec co
 """
 
 from .heads import (
-    DTYPES,
     target_shape,
     convert_eagle3,
     convert_official,
@@ -30,7 +29,6 @@ from .trie import (
 )
 
 __all__ = [
-    "DTYPES",
     "NODE_ORDERS",
     "TrieFormatError",
     "target_shape",

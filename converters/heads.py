@@ -19,14 +19,14 @@ from dart_core.config import CONFIG_NAME
 from dart_core.fit import TargetShape, check_fits
 from dart_core.head import (NGRAM_FILE_KEY, NGRAM_NAME, OPTIONAL_KEYS, SGLANG_NGRAM_KEY, TREE_CONFIG_KEY,
                              WEIGHTS_NAME, check_draft_vocab, file_inside)
-from dart_core.io import atomic_write, load_safetensors_checked, read_json_object, save_safetensors_atomic
+from dart_core.io import (WEIGHT_DTYPES, atomic_write, load_safetensors_checked, read_json_object,
+                          save_safetensors_atomic)
 
 from .staging import staged_directory
 from .trie import convert_trie
 
 PathLike = Union[str, os.PathLike]
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 EMBED_KEY = OPTIONAL_KEYS[0]  # "embed_tokens.weight"
 SGLANG_ARCHITECTURE = "LlamaForCausalLMDart"
@@ -42,16 +42,16 @@ _LAYOUT_KEYS = ("architectures", "eagle_config", "dart_config", TREE_CONFIG_KEY,
 def resolve_dtype(dtype: Union[None, str, torch.dtype]) -> Optional[torch.dtype]:
     """`"float32" | "float16" | "bfloat16"` (or a torch dtype, or None) -> torch dtype or None."""
     if dtype is None or isinstance(dtype, torch.dtype):
-        if isinstance(dtype, torch.dtype) and dtype not in DTYPES.values():
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype}")
+        if isinstance(dtype, torch.dtype) and dtype not in WEIGHT_DTYPES.values():
+            raise ValueError(f"dtype must be one of {sorted(WEIGHT_DTYPES)}, got {dtype}")
         return dtype
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    return DTYPES[dtype]
+    if dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(WEIGHT_DTYPES)}, got {dtype!r}")
+    return WEIGHT_DTYPES[dtype]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    return {v: k for k, v in DTYPES.items()}[dtype]
+    return {v: k for k, v in WEIGHT_DTYPES.items()}[dtype]
 
 
 def weights_dtype(weights_file: str, key: str = "fc.weight") -> torch.dtype:
@@ -393,7 +393,6 @@ def init_mask_rep(hidden_size: int, seed: int) -> torch.Tensor:
 
 
 __all__ = [
-    "DTYPES",
     "target_shape",
     "convert_eagle3",
     "convert_official",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-DTYPE_CHOICES = ("float32", "float16", "bfloat16")
+from dart_core.io import WEIGHT_DTYPES
 
 
 def add_convert(sub) -> None:
@@ -74,7 +74,7 @@ def add_convert(sub) -> None:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dtype", choices=DTYPE_CHOICES, help="weights dtype (default: the source's)")
+    p.add_argument("--dtype", choices=tuple(WEIGHT_DTYPES), help="weights dtype (default: the source's)")
     p.add_argument("--force", action="store_true", help="replace DST if it exists")
 
 

@@ -109,7 +109,8 @@ def _tokenizer_only(target: str):
 
 # ---- train ----------------------------------------------------------------------------------------------------------
 def add_train(sub) -> None:
-    from dart_train.trainer import SAVE_DTYPES, TrainConfig
+    from dart_core.io import WEIGHT_DTYPES
+    from dart_train.trainer import TrainConfig
 
     d = TrainConfig()
     p = sub.add_parser(
@@ -157,7 +158,7 @@ def add_train(sub) -> None:
     p.add_argument("--init-from", metavar="HEAD_DIR", help="warm start from a head directory (e.g. converted EAGLE3; with --mode eagle3 also a DART head)")
     p.add_argument("--lm-head-from-target", action="store_true", dest="init_lm_head_from_target",
                    help="start lm_head from the target's output rows of the draft vocabulary (default: random)")
-    p.add_argument("--save-dtype", choices=tuple(SAVE_DTYPES), default=d.save_dtype,
+    p.add_argument("--save-dtype", choices=tuple(WEIGHT_DTYPES), default=d.save_dtype,
                    help="dtype of OUT/head weights (default float32)")
     p.add_argument("--ngram", action="store_true", help="attach a 3-gram of the training data to OUT/head")
     p.add_argument("--ngram-order", type=int, default=d.ngram_order, help=f"default {d.ngram_order}")

@@ -174,10 +174,6 @@ class DartHeadCache:
             raise ValueError("cannot crop a head cache to a length longer than it holds")
         self.lengths = lengths.to(self.lengths)
 
-    def reorder(self, index: torch.Tensor) -> None:
-        """Keep the batch rows `index` [B'] (e.g. when requests finish)."""
-        self.keys, self.values, self.lengths = self.keys[index], self.values[index], self.lengths[index]
-
 
 class DartHead(nn.Module):
     """DART draft head: reads target hidden states at three taps and the next tokens, returns logits for D+1 positions.

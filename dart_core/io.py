@@ -14,6 +14,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 
+# the floating dtypes a head is stored in, by the names the command line and configs use
+WEIGHT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
 def read_json_object(file: str) -> dict:
     """A JSON object from `file`; FileNotFoundError / ValueError name the file and the problem."""
     if not os.path.isfile(file):

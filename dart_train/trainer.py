@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from dart_core import DartConfig, DartHead, Eagle3Head, NGramModel
-from dart_core.io import atomic_write, make_temp_dir
+from dart_core.io import WEIGHT_DTYPES, atomic_write, make_temp_dir
 from dart_hf.target import first_eos
 from dart_train.data import read_shards
 from dart_train.features import Batch, collate, target_features
@@ -48,7 +48,6 @@ from dart_train.vocab import build_draft_vocab
 
 CHECKPOINT_DIR = "checkpoint-latest"
 STATE_NAME = "trainer_state.pt"
-SAVE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # what a run trains: a DART head, or the EAGLE3-style baseline drafter (dart_core.eagle3) on the same data and loss
 HEAD_CLASSES = {"dart": DartHead, "eagle3": Eagle3Head}
 # fields that must match when resuming (they decide shapes, data order and the held-out split)
@@ -134,8 +133,8 @@ class TrainConfig:
             raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay!r}")
         if self.mode not in HEAD_CLASSES:
             raise ValueError(f"mode must be one of {', '.join(HEAD_CLASSES)}, got {self.mode!r}")
-        if self.save_dtype not in SAVE_DTYPES:
-            raise ValueError(f"save_dtype must be one of {', '.join(SAVE_DTYPES)}, got {self.save_dtype!r}")
+        if self.save_dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"save_dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {self.save_dtype!r}")
         if self.stop_at is not None and self.stop_at < 1:
             raise ValueError(f"stop_at must be >= 1, got {self.stop_at!r}")
         if self.time_budget is not None and not (isinstance(self.time_budget, (int, float))
@@ -794,7 +793,7 @@ class Trainer:
     def save_head(self, dest: Path) -> None:
         tmp = Path(make_temp_dir(dest.parent, ".tmp-head-"))
         try:
-            self.head.save_pretrained(tmp, dtype=SAVE_DTYPES[self.cfg.save_dtype])
+            self.head.save_pretrained(tmp, dtype=WEIGHT_DTYPES[self.cfg.save_dtype])
             replace_dir(tmp, dest)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
