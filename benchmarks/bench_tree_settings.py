@@ -25,7 +25,7 @@ import dart_hf
 from dart_core import TreeConfig
 from dart_core.ngram import NGramModel
 from dart_hf.bench import load_prompt_sets
-from dart_hf.calibrate import acceptance_run, base_tree_config, encode_prompts
+from dart_hf.calibration import acceptance_run, base_tree_config, encode_prompts
 from results_io import write_results
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"

@@ -7,7 +7,7 @@ The target is built from the architecture's shapes with random weights (bf16 on 
 weights do not change latency. Measured, each the median of `--repeats` after a warm-up:
 
 - t_verify(k): one target forward over k new tokens with a tree mask and tapped hidden states on a cache of
-  `--context` tokens (`dart_hf.calibrate.measure_latency`, the tree loop's forward), and t_plain, a plain 1-token step;
+  `--context` tokens (`dart_hf.calibration.measure_latency`, the tree loop's forward), and t_plain, a plain 1-token step;
 - t_head: one DART head forward (random weights, `--draft-length` mask rows, `--draft-vocab` outputs) over
   round(tau) new rows on a head cache of `--context` rows;
 - t_tree: `dart_core.build_draft_trees` (topk 25, beam 20, the largest stated node count) with a 3-gram of 200k
@@ -178,7 +178,7 @@ def main(argv=None) -> int:
     model = build_target(PRESETS[args.arch], device, dtype)
     head = build_head(model, args.draft_length, args.draft_vocab)
     taps = head.config.layer_ids_for(model.config.num_hidden_layers)
-    from dart_hf.calibrate import measure_latency
+    from dart_hf.calibration import measure_latency
 
     sizes = sorted(set(args.sizes) | {nodes + 1 for nodes, _ in taus})
     latency, plain_s = measure_latency(model, sizes, taps, args.context, args.repeats, progress=False)

@@ -62,7 +62,7 @@ def _run_bench(args: argparse.Namespace) -> int:
     from dart_core import Eagle3Head
     from dart_hf.bench import (EAGLE3_SEARCHES, BenchConfig, calibrated_tree, load_prompt_sets, markdown_table,
                                run_bench, write_report)
-    from dart_hf.calibrate import device_name
+    from dart_hf.calibration import device_name
     from dart_hf.target import plan_for
 
     torch.set_num_threads(args.threads)

@@ -90,7 +90,7 @@ def model_demo(prompt: str = DEFAULT_PROMPT, max_new_tokens: int = 128, repeats:
     from transformers import TextStreamer
 
     import dart_hf
-    from dart_hf.calibrate import base_tree_config, cached_calibration
+    from dart_hf.calibration import base_tree_config, cached_calibration
 
     model, tokenizer, head = dart_hf.load_default(head_dir)
     if calibrate:

@@ -7,11 +7,10 @@
 - `dart_decoding`: the tree loop as a `custom_generate` callable for models that are not enabled.
 - `load_smollm2()`: the offline SmolLM2-135M-Instruct target; `load_default()`: it plus the shipped DART head.
 - `calibrate(model, tokenizer, head)` / `tuned_tree_config(...)`: the tree size that decodes fastest on this machine
-  (measured, cached; the functions live in the module `dart_hf.calibrate`, whose name the function shadows here).
+  (measured, cached; module `dart_hf.calibration`).
 """
 
-from dart_hf.calibrate import Calibration, cached_calibration, tuned_tree_config
-from dart_hf.calibrate import calibrate  # noqa: E402 (rebinds the name `dart_hf.calibrate` to the function)
+from dart_hf.calibration import Calibration, cached_calibration, calibrate, tuned_tree_config
 from dart_hf.candidate import DartCandidateGenerator
 from dart_hf.default import load_default
 from dart_hf.enable import DartGenerationMixin, enable

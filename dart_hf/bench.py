@@ -161,9 +161,9 @@ def run_once(model, meter: TargetMeter, ids: torch.Tensor, method: str, drafters
 def calibrated_tree(model, tokenizer, drafter, searches: Sequence[dict] = ({},), refresh: bool = False,
                     progress: Optional[bool] = True) -> tuple[TreeConfig, list[dict]]:
     """The fastest tree settings for `drafter` on this machine: for each search setting (TreeConfig overrides, e.g.
-    {"topk": 2, "max_depth": 3}) the calibrated node count (`dart_hf.calibrate`, cached per setting), then the
+    {"topk": 2, "max_depth": 3}) the calibrated node count (`dart_hf.calibration`, cached per setting), then the
     setting with the best expected speedup. Returns (TreeConfig, one row per setting)."""
-    from dart_hf.calibrate import base_tree_config, cached_calibration, run_calibration, save_calibration
+    from dart_hf.calibration import base_tree_config, cached_calibration, run_calibration, save_calibration
 
     base = base_tree_config(model, drafter)
     rows, best = [], None
@@ -213,7 +213,7 @@ def run_bench(model, tokenizer, drafters: dict, prompt_sets: dict[str, list[str]
     """
     from tqdm.auto import tqdm
 
-    from dart_hf.calibrate import encode_prompts
+    from dart_hf.calibration import encode_prompts
 
     config.validate(drafters)
     methods = ["plain"] + [m for m in config.methods if m != "plain"]  # plain first: identity is checked against it

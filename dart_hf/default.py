@@ -17,10 +17,10 @@ def load_default(head_dir: Optional[str | os.PathLike] = None, *, use_calibratio
     the head in `head_dir` (default: the shipped `dart_hf/assets/smollm2-135m-dart/`), offline.
 
     The head is cast to the model's dtype and device and shares its embedding. Its tree settings are the cached
-    calibration for this machine when there is one (`dart_hf.calibrate`; nothing is calibrated here), else the head's
+    calibration for this machine when there is one (`dart_hf.calibration`; nothing is calibrated here), else the head's
     own `tree_config`. Raises FileNotFoundError naming the directory when the head is missing.
     """
-    from dart_hf.calibrate import cached_calibration
+    from dart_hf.calibration import cached_calibration
     from dart_hf.enable import enable
     from dart_hf.smollm2 import load_smollm2
     from dart_hf.target import plan_for

@@ -23,7 +23,7 @@ class DartStats:
     accepted_ranks: for each verify step, the selection rank of each accepted node (`dart_core.tree.score_ranks`:
         0-based position among the tree's draft nodes by score). A tree of R nodes built from the same candidates
         holds exactly the nodes of rank < R, so under greedy decoding it would have accepted the leading ranks < R
-        (`accepted_within`, `tau_at`; see `dart_hf.calibrate`). Filled by the tree loop only.
+        (`accepted_within`, `tau_at`; see `dart_hf.calibration`). Filled by the tree loop only.
     tau: mean tokens produced per verify step, bonus included (before stopping criteria cut the last block).
     Times are wall-clock seconds: prefill (target + head on the prompt), head forwards (an `Eagle3Head`: all its
     draft levels with their top-k expansions), tree searches (an `Eagle3Head`: the final node selection), verify

@@ -154,7 +154,7 @@ def test_calibrated_tree_keeps_the_fastest_search(monkeypatch):
             return self.tree
 
     saved = []
-    cal = importlib.import_module("dart_hf.calibrate")  # the module (the package attribute is the function)
+    cal = importlib.import_module("dart_hf.calibration")  # the module (the package attribute is the function)
     monkeypatch.setattr(cal, "cached_calibration", lambda model, head: None)
     monkeypatch.setattr(cal, "run_calibration", lambda model, tok, head, progress=None: Fake(head.tree_config))
     monkeypatch.setattr(cal, "save_calibration", saved.append)

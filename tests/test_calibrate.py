@@ -10,12 +10,12 @@ import torch
 import dart_hf
 from dart_core import NGramModel, TreeConfig, build_draft_tree, topk_draft_tokens
 from dart_core.tree import score_ranks
-from dart_hf.calibrate import (Calibration, cached_calibration, calibration_dir, choose_tree_size, interpolate,
+from dart_hf.calibration import (Calibration, cached_calibration, calibration_dir, choose_tree_size, interpolate,
                                monotone, run_calibration, tuned_tree_config)
 from dart_hf.default import DEFAULT_HEAD_DIR, load_default
 from hf_models import oracle_head, random_head, tiny_target
 
-calibrate_module = sys.modules["dart_hf.calibrate"]  # `dart_hf.calibrate` is the function
+calibrate_module = sys.modules["dart_hf.calibration"]
 PROMPT = torch.tensor([[5, 17, 33, 2, 9, 41, 12]])
 
 

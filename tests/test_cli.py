@@ -69,7 +69,7 @@ def smollm2_shaped_head(path):
 @pytest.mark.slow
 def test_real_demo_streams_times_and_checks_identity(tmp_path, monkeypatch, capsys):
     smollm2_shaped_head(tmp_path / "head")
-    calibration = sys.modules["dart_hf.calibrate"]
+    calibration = sys.modules["dart_hf.calibration"]
     # no calibration cached for this head: the head's own tree size is used and the demo says how to tune it
     monkeypatch.setattr(calibration, "calibration_dir", lambda: tmp_path / "calibration")
     assert main(["demo", "--head", str(tmp_path / "head"), "--max-new-tokens", "6", "--repeats", "1",
