@@ -1,7 +1,7 @@
 """Draft-head directory conversions: official DART -> this project, any DART head -> SGLang, EAGLE3 -> DART.
 
 Every converter loads with `dart_core` (so the same shape and vocab checks apply), builds the output in a temp
-directory beside the destination and swaps it in at the end (`converters.staging`).
+directory beside the destination and swaps it in at the end (`dart_core.io.staged_directory`).
 """
 
 from __future__ import annotations
@@ -20,9 +20,8 @@ from dart_core.fit import TargetShape, check_fits
 from dart_core.head import (NGRAM_FILE_KEY, NGRAM_NAME, OPTIONAL_KEYS, SGLANG_NGRAM_KEY, TREE_CONFIG_KEY,
                              WEIGHTS_NAME, check_draft_vocab, file_inside)
 from dart_core.io import (WEIGHT_DTYPES, atomic_write, load_safetensors_checked, read_json_object,
-                          save_safetensors_atomic)
+                          save_safetensors_atomic, staged_directory)
 
-from .staging import staged_directory
 from .trie import convert_trie
 
 PathLike = Union[str, os.PathLike]

@@ -709,7 +709,7 @@ def convert_trie(src: Union[str, os.PathLike], dst: Union[str, os.PathLike], voc
                  force: bool = False, progress=True, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> dict:
     """Official `.trie` -> this project's n-gram file (`NGramModel.save`, atomic). Returns stats (see
     `read_official_trie`) plus output_bytes and bytes_per_node. Refuses an existing `dst` unless `force`."""
-    from .staging import check_output_file
+    from dart_core.io import check_output_file
 
     src, dst = os.fspath(src), os.fspath(dst)
     if not os.path.isfile(src):

@@ -237,7 +237,7 @@ def _run_ngram_build(args: argparse.Namespace) -> int:
         raise UsageError("--order must be >= 1")
     if args.vocab_size is not None and args.vocab_size < 1:
         raise UsageError("--vocab-size must be >= 1")
-    from dart_converters.staging import check_output_file
+    from dart_core.io import check_output_file
 
     for d in args.data:
         if not os.path.isdir(d):

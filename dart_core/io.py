@@ -1,12 +1,15 @@
-"""File helpers shared by the core and the adapters: atomic writes and checked safetensors loading."""
+"""File helpers shared by the core, the adapters, training and the converters: atomic writes, checked safetensors
+loading, and output directories built beside their destination and swapped in whole (`staged_directory`): a job
+that fails leaves the destination as it was (absent, or the old one)."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import shutil
 import tempfile
-from typing import Iterator, Mapping, Optional
+from typing import Iterable, Iterator, Mapping, Optional
 
 import numpy as np
 import torch
@@ -136,3 +139,79 @@ def load_safetensors_checked(path: str, expected: Mapping[str, tuple[int, ...]],
         if tuple(state[k].shape) != tuple(shape):
             raise ValueError(f"{path}: key {k!r} has shape {list(state[k].shape)}, expected {list(shape)}")
     return state
+
+
+# ---- output directories and files: refuse what would destroy input, build beside the destination, swap in ------------
+def _same_or_inside(path: str, other: str) -> bool:
+    path, other = os.path.realpath(path), os.path.realpath(other)
+    return path == other or path.startswith(other.rstrip(os.sep) + os.sep) or other.startswith(
+        path.rstrip(os.sep) + os.sep)
+
+
+def check_destination(dst: str, force: bool, sources: Iterable[str] = ()) -> str:
+    """Absolute `dst` after checking it may be written: not a source (nor inside one), and absent unless `force`."""
+    dst = os.path.abspath(os.fspath(dst))
+    for src in sources:
+        if src is not None and os.path.exists(src) and _same_or_inside(dst, os.fspath(src)):
+            raise ValueError(f"destination {dst} is or overlaps the source {src}; choose another destination")
+    if os.path.lexists(dst) and not force:
+        raise FileExistsError(f"destination {dst} already exists; use --force (force=True) to replace it")
+    return dst
+
+
+def check_output_file(dst: str, force: bool, sources: Iterable[str] = ()) -> str:
+    """`check_destination` for a single output file; its directory is created when missing."""
+    dst = check_destination(dst, force, sources)
+    if os.path.isdir(dst):
+        raise ValueError(f"destination {dst} is a directory; give a file name (e.g. {dst}/ngram.safetensors)")
+    parent = os.path.dirname(dst)
+    blocker = next((p for p in _ancestors(parent) if os.path.lexists(p) and not os.path.isdir(p)), None)
+    if blocker is not None:
+        raise ValueError(f"cannot write {dst}: {blocker} is not a directory")
+    os.makedirs(parent, exist_ok=True)
+    return dst
+
+
+def _ancestors(path: str) -> list[str]:
+    """`path` and its parents, outermost first."""
+    out = []
+    while path and path not in out:
+        out.append(path)
+        path = os.path.dirname(path)
+    return out[::-1]
+
+
+@contextlib.contextmanager
+def staged_directory(dst: str, force: bool, sources: Iterable[str] = ()) -> Iterator[str]:
+    """Yield a temp directory beside `dst`; on success it becomes `dst` (replacing an old one only with `force`)."""
+    dst = check_destination(dst, force, sources)
+    parent = os.path.dirname(dst)
+    os.makedirs(parent, exist_ok=True)
+    tmp = make_temp_dir(parent, f".tmp-{os.path.basename(dst)}-")
+    try:
+        yield tmp
+        if os.path.lexists(dst) and not force:  # appeared while the output was being built
+            raise FileExistsError(f"destination {dst} already exists; use --force (force=True) to replace it")
+        replace_directory(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def replace_directory(tmp: str, dst: str) -> None:
+    """Move the finished directory `tmp` to `dst`, replacing an existing one: the old copy waits as `dst.old`
+    until the new one is in place (put back if that fails), so a crash leaves one complete copy (`dst` or
+    `dst.old`)."""
+    old = dst + ".old"
+    if os.path.lexists(old):
+        shutil.rmtree(old)
+    if os.path.lexists(dst):
+        os.replace(dst, old)
+    try:
+        os.replace(tmp, dst)
+    except BaseException:
+        if os.path.lexists(old) and not os.path.lexists(dst):
+            os.replace(old, dst)
+        raise
+    if os.path.lexists(old):
+        shutil.rmtree(old)

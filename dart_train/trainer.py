@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from dart_core import DartConfig, DartHead, Eagle3Head, NGramModel
-from dart_core.io import WEIGHT_DTYPES, atomic_write, make_temp_dir
+from dart_core.io import WEIGHT_DTYPES, atomic_write, staged_directory
 from dart_hf.target import first_eos
 from dart_train.data import read_shards
 from dart_train.features import Batch, collate, target_features
@@ -354,29 +354,11 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def replace_dir(tmp: Path, dest: Path) -> None:
-    """Move the finished directory `tmp` to `dest`, replacing an existing one (old copy kept as dest.old until the
-    new one is in place, so a crash leaves one complete copy)."""
-    old = dest.with_name(dest.name + ".old")
-    if old.exists():
-        shutil.rmtree(old)
-    if dest.exists():
-        os.replace(dest, old)
-    os.replace(tmp, dest)
-    if old.exists():
-        shutil.rmtree(old)
-
-
 def save_checkpoint(out: Path, head: DartHead, optimizer, scheduler, state: dict) -> None:
-    tmp = Path(make_temp_dir(out, ".tmp-checkpoint-"))
-    try:
+    with staged_directory(out / CHECKPOINT_DIR, force=True) as tmp:
         head.save_pretrained(tmp)
         torch.save({**state, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                    "rng": _rng_state()}, tmp / STATE_NAME)
-        replace_dir(tmp, out / CHECKPOINT_DIR)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+                    "rng": _rng_state()}, Path(tmp) / STATE_NAME)
 
 
 def find_checkpoint(out: Path) -> Path:
@@ -791,13 +773,8 @@ class Trainer:
         return summary
 
     def save_head(self, dest: Path) -> None:
-        tmp = Path(make_temp_dir(dest.parent, ".tmp-head-"))
-        try:
+        with staged_directory(dest, force=True) as tmp:
             self.head.save_pretrained(tmp, dtype=WEIGHT_DTYPES[self.cfg.save_dtype])
-            replace_dir(tmp, dest)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
 
 
 class _Budget:

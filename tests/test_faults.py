@@ -257,3 +257,23 @@ def test_bench_refuses_a_file_as_report_directory_before_running(tmp_path, capsy
     report = tmp_path / "report"
     report.write_text("x")
     one_line_error(["bench", "--out", report, "--no-charts"], capsys, "is a file")
+
+
+def test_a_failed_swap_puts_the_old_directory_back(tmp_path, monkeypatch):
+    from dart_core import io
+
+    dest = tmp_path / "out"
+    dest.mkdir()
+    (dest / "f").write_text("old")
+    real_replace = os.replace
+
+    def failing(src, dst):
+        if os.path.basename(str(src)).startswith(".tmp"):  # the new directory's rename fails
+            raise OSError(5, "Input/output error")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(io.os, "replace", failing)
+    with pytest.raises(OSError):
+        with io.staged_directory(dest, force=True) as tmp:
+            (tmp_path / tmp / "f").write_text("new")
+    assert (dest / "f").read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
