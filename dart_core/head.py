@@ -322,6 +322,10 @@ class DartHead(nn.Module):
         b, t = ids.shape
         if t == 0:
             raise ValueError("the head needs at least one new row (T >= 1)")
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= cfg.vocab_size:
+            raise ValueError(f"shifted_ids hold token id {lo if lo < 0 else hi}, outside the vocabulary "
+                             f"0..{cfg.vocab_size - 1}")
         if cache is not None and cache.batch_size != b:
             raise ValueError(f"cache holds {cache.batch_size} rows but the inputs have batch size {b}")
         if lengths is not None and (lengths.shape != (b,) or bool((lengths < 1).any()) or bool((lengths > t).any())):

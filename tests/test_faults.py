@@ -157,6 +157,15 @@ def test_bad_head_configs_are_refused_by_name(tmp_path, field, value, message):
         DartHead.from_pretrained(tmp_path / "head")
 
 
+def test_token_ids_outside_the_vocabulary_are_refused_by_the_head():
+    head = random_head(tiny_target())
+    head.set_input_embeddings(torch.nn.Embedding(96, 32))
+    aux = torch.randn(1, 3, 96)
+    for bad in (96, -1):
+        with pytest.raises(ValueError, match=f"token id {bad}, outside the vocabulary 0..95"):
+            head(aux, torch.tensor([[1, bad, 2]]))
+
+
 def test_token_ids_outside_the_vocabulary_are_refused_before_decoding():
     target = dart_hf.enable(tiny_target())
     head = random_head(target)
