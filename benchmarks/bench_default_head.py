@@ -18,7 +18,6 @@ drafting: `speedup_vs_kernel_control` is DART over it.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import statistics
@@ -29,7 +28,8 @@ from pathlib import Path
 import torch
 
 import dart_hf
-from dart_core.matmul import few_row_linear
+from dart_core.matmul import few_row_linears
+from kernel_control import one_row_as_two
 from results_io import write_results
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
@@ -48,27 +48,6 @@ def timed_generate(model, ids, max_new_tokens, **kwargs):
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
                          **kwargs)
     return out, time.perf_counter() - t0
-
-
-@contextlib.contextmanager
-def one_row_as_two_rows(model):
-    """Within the block, every fp32 CPU nn.Linear of `model` computes a one-row input as a two-row `W @ x.T`
-    product (the kernel control); other inputs as `dart_core.matmul.few_row_linear` does."""
-    def forward(self, x):
-        if x.numel() == x.shape[-1]:  # one row
-            row = x.reshape(1, -1)
-            out = (self.weight @ torch.cat((row, row)).T)[:, :1].T.contiguous()
-            return (out if self.bias is None else out + self.bias).view(*x.shape[:-1], -1)
-        return few_row_linear(x, self.weight, self.bias)
-
-    layers = [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.dtype == torch.float32]
-    for layer in layers:
-        layer.forward = forward.__get__(layer)
-    try:
-        yield
-    finally:
-        for layer in layers:
-            del layer.forward
 
 
 def main(argv=None) -> int:
@@ -106,7 +85,7 @@ def main(argv=None) -> int:
             plain_time, dart_time = plain_time + t_plain, dart_time + t_dart
             accepted += model.dart_stats.accepted_lengths
             if args.kernel_control:
-                with one_row_as_two_rows(model):
+                with few_row_linears(model, product=one_row_as_two):
                     control, t_control = timed_generate(model, ids, args.max_new_tokens)
                 control_identical += int(torch.equal(plain, control))
                 control_tokens += control.shape[1] - ids.shape[1]

@@ -5,14 +5,13 @@ forward with its product computed as two rows (what plain decoding would get fro
 
 SmolLM2-135M-Instruct fp32 on a 256-token cache, the tree loop's forward (`dart_hf.target.tree_forward`: chain
 mask, tapped hidden states); median of `--repeats` forwards per k after one warm-up, the cache cut back after each.
-`few_row` applies the product to every k (also above `dart_core.matmul.max_rows()`, where the loop keeps F.linear),
-so the table shows where the break-even lies.
+`few_row` applies `W @ x.T` to every k (also above `dart_core.matmul.max_rows()`, where the loop keeps F.linear),
+so the table shows where the break-even lies; `one_row_as_two` is the benchmarks' kernel control for plain decoding.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
 import sys
 import time
@@ -22,38 +21,16 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 import dart_hf
-from dart_core import matmul
-from dart_hf.target import keep_accepted_path, tree_attention_mask, tree_forward
+from dart_core.matmul import few_row_linears, max_rows, transposed_linear
+from dart_hf.target import keep_accepted_path, tree_attention_mask
+from kernel_control import one_row_as_two
 from results_io import write_results
 
 SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 16)
 
 
-@contextlib.contextmanager
-def every_row_count(few_rows: bool, pad_one_row: bool):
-    """Let `dart_core.matmul` take the W @ x.T product for every row count (`few_rows`), and compute one-row inputs
-    as a two-row product (`pad_one_row`); stock F.linear otherwise."""
-    saved = matmul.few_row_linear
-
-    def product(x, weight, bias):
-        rows = x.numel() // x.shape[-1]
-        if rows == 1 and pad_one_row:
-            row = x.reshape(1, -1)
-            out = (weight @ torch.cat((row, row)).T)[:, :1].T.contiguous()
-            return (out if bias is None else out + bias).view(*x.shape[:-1], -1)
-        if rows >= 2 and few_rows:
-            out = (weight @ x.reshape(rows, -1).T).T.contiguous()
-            return (out if bias is None else out + bias).view(*x.shape[:-1], -1)
-        return F.linear(x, weight, bias)
-
-    matmul.few_row_linear = product
-    try:
-        yield
-    finally:
-        matmul.few_row_linear = saved
-
-
-def measure(model, sizes, repeats: int) -> dict:
+def measure(model, sizes, repeats: int, product) -> dict:
+    """{k: median ms of the tree loop's target forward over k new tokens} with `product` for every linear layer."""
     device = next(model.parameters()).device
     cache = DynamicCache(config=model.config)
     context = torch.randint(0, 49152, (1, 256), generator=torch.Generator().manual_seed(0))
@@ -68,7 +45,9 @@ def measure(model, sizes, repeats: int) -> dict:
             times = []
             for i in range(repeats + 1):
                 t0 = time.perf_counter()
-                tree_forward(model, block[:, :k], positions, mask, cache, (2, 15, 27))
+                with few_row_linears(model, product=product):  # tree_forward's call, with `product`
+                    model(input_ids=block[:, :k], position_ids=positions, attention_mask=mask, past_key_values=cache,
+                          use_cache=True, output_hidden_states=[2, 15, 27])
                 elapsed = time.perf_counter() - t0
                 keep_accepted_path(cache, 256, none)
                 if i:
@@ -88,16 +67,16 @@ def main(argv=None) -> int:
     for threads in args.threads:
         torch.set_num_threads(threads)
         row = {}
-        for name, few, pad in (("f_linear", False, False), ("few_row", True, False), ("one_row_as_two", False, True)):
-            with every_row_count(few, pad):
-                row[name] = measure(model, SIZES if name != "one_row_as_two" else (1,), args.repeats)
+        for name, product, sizes in (("f_linear", F.linear, SIZES), ("few_row", transposed_linear, SIZES),
+                                     ("one_row_as_two", one_row_as_two, (1,))):
+            row[name] = measure(model, sizes, args.repeats, product)
         results["runs"][str(threads)] = row
         print(f"{threads} thread(s), ms per forward over k tokens:")
         print("  k        " + " ".join(f"{k:>5d}" for k in SIZES))
         for name in ("f_linear", "few_row"):
             print(f"  {name:8s} " + " ".join(f"{row[name][k]:5.1f}" for k in SIZES))
         print(f"  one token as a two-row product: {row['one_row_as_two'][1]:.1f} ms "
-              f"(F.linear {row['f_linear'][1]:.1f} ms); the loop uses the few-row product for 2..{matmul.max_rows()}")
+              f"(F.linear {row['f_linear'][1]:.1f} ms); the loop uses the few-row product for 2..{max_rows()}")
     if args.json:
         write_results(args.json, results)
     return 0

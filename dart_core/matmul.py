@@ -18,7 +18,7 @@ replace `forward`, e.g. accelerate's offloading, are left alone). Inputs with on
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -35,19 +35,21 @@ def max_rows() -> int:
     return min(MAX_ROWS, ROWS_PER_THREAD * torch.get_num_threads())
 
 
-def few_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., K], weight [N, K], bias [N] or None -> [..., N]: `F.linear`, as `weight @ x.T` for 2..max_rows() rows."""
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if not 2 <= rows <= max_rows():
-        return F.linear(x, weight, bias)
+def transposed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K], weight [N, K], bias [N] or None -> [..., N]: `F.linear` computed as `weight @ x.T`."""
+    rows = x.numel() // x.shape[-1]
     out = (weight @ x.reshape(rows, x.shape[-1]).T).T.contiguous()  # [rows, N]
     if bias is not None:
         out += bias
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
-def _few_row_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return few_row_linear(x, self.weight, self.bias)
+def few_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear`, as `transposed_linear` for 2..max_rows() rows."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if not 2 <= rows <= max_rows():
+        return F.linear(x, weight, bias)
+    return transposed_linear(x, weight, bias)
 
 
 def _eligible(module: nn.Module) -> bool:
@@ -56,11 +58,16 @@ def _eligible(module: nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def few_row_linears(*modules: nn.Module) -> Iterator[None]:
-    """Within the block, the eligible `nn.Linear` layers of `modules` compute few-row inputs as `W @ x.T`."""
+def few_row_linears(*modules: nn.Module, product: Callable = few_row_linear) -> Iterator[None]:
+    """Within the block, the eligible `nn.Linear` layers of `modules` compute few-row inputs as `W @ x.T`
+    (`product(x, weight, bias)` replaces their `F.linear`; benchmarks pass other products). Not reentrant."""
     layers = [m for module in modules for m in module.modules() if _eligible(m)]
+
+    def forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        return product(x, self.weight, self.bias)
+
     for layer in layers:
-        layer.forward = _few_row_forward.__get__(layer)
+        layer.forward = forward.__get__(layer)
     try:
         yield
     finally:
