@@ -7,7 +7,7 @@ import dataclasses
 import torch
 
 from dart_core.config import DartConfig
-from dart_core.head import draft_vocab_problem
+from dart_core.head import OPTIONAL_KEYS, draft_vocab_problem
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +30,7 @@ def fit_problems(config: DartConfig, d2t: torch.Tensor, target: TargetShape,
                         f"{config.target_hidden_size} (fc reads 3 x {config.target_hidden_size})")
     if target.hidden_size != config.hidden_size and not has_embedding:
         problems.append(f"target hidden_size {target.hidden_size} != head hidden_size {config.hidden_size} (the head "
-                        "embeds tokens with the target's embedding table and carries no table of its own)")
+                        f"embeds tokens with the target's embedding table: the checkpoint has no {OPTIONAL_KEYS[0]})")
     if target.vocab_size != config.vocab_size:
         problems.append(f"target vocab_size {target.vocab_size} != head vocab_size {config.vocab_size}")
     vocab_problem = draft_vocab_problem(d2t, target.vocab_size)
