@@ -163,6 +163,8 @@ def add_train(sub) -> None:
     p.add_argument("--ngram", action="store_true", help="attach a 3-gram of the training data to OUT/head")
     p.add_argument("--ngram-order", type=int, default=d.ngram_order, help=f"default {d.ngram_order}")
     p.add_argument("--device", default=d.device, help="auto (default), cpu, cuda, cuda:N")
+    p.add_argument("--target-dtype", choices=tuple(WEIGHT_DTYPES),
+                   help="dtype of the target's weights (default: bfloat16 on CUDA, float32 on the CPU)")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint-latest")
     p.add_argument("--force", action="store_true",
                    help="start afresh in an OUT that holds a run (deletes its head, checkpoint and logs)")

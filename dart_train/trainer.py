@@ -97,6 +97,7 @@ class TrainConfig:
     ngram: bool = False
     ngram_order: int = 3
     device: str = "auto"
+    target_dtype: Optional[str] = None  # the target's weights: default bfloat16 on CUDA, float32 on the CPU
     resume: bool = False
     force: bool = False  # start afresh in an `out` that holds a run (its head, checkpoint and logs are removed)
     stop_at: Optional[int] = None  # stop after this step (checkpoint written), e.g. for time-boxed jobs
@@ -133,6 +134,8 @@ class TrainConfig:
             raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay!r}")
         if self.mode not in HEAD_CLASSES:
             raise ValueError(f"mode must be one of {', '.join(HEAD_CLASSES)}, got {self.mode!r}")
+        if self.target_dtype is not None and self.target_dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"target_dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {self.target_dtype!r}")
         if self.save_dtype not in WEIGHT_DTYPES:
             raise ValueError(f"save_dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {self.save_dtype!r}")
         if self.stop_at is not None and self.stop_at < 1:
@@ -472,7 +475,8 @@ class Trainer:
             raise ValueError(f"no training sequences with tokens to predict in {cfg.data}")
         on_cuda = self.device.type == "cuda"
         if model is None:
-            model, _ = load_target(cfg.target, self.device, torch.bfloat16 if on_cuda else None)
+            dtype = WEIGHT_DTYPES[cfg.target_dtype] if cfg.target_dtype else (torch.bfloat16 if on_cuda else None)
+            model, _ = load_target(cfg.target, self.device, dtype)
         else:
             model.to(self.device).eval().requires_grad_(False)
         self.model = model

@@ -29,7 +29,7 @@ left=$(( budget - ($(date +%s) - start) - 15 ))  # 15 s: the train command's sta
 [ "$left" -ge 30 ] || { echo "train_smollm2_head.sh: only ${left} s of the budget left after distillation" >&2; exit 1; }
 # shellcheck disable=SC2086  # EXTRA_DATA is a list of directories
 $dart_spec train --target smollm2 --data "$out/distill-greedy" ${EXTRA_DATA:-} --out "$out/run" \
-    --time-budget "$left" --device "$device" --draft-length 6 --draft-vocab-size 8192 --batch-size 32 \
+    --time-budget "$left" --device "$device" --target-dtype float32 --draft-length 6 --draft-vocab-size 8192 --batch-size 32 \
     --seq-len 512 --anchors 32 --lr 1e-3 --warmup-steps 100 --eval-every 500 --eval-sequences 64 \
     --checkpoint-every 500 --tau-prompts 4 --ngram "$@"
 echo "train_smollm2_head.sh: $out/run/head in $(( $(date +%s) - start )) s of a ${budget} s budget"

@@ -116,6 +116,17 @@ def test_a_directory_where_a_shard_should_be_is_one_line(tmp_path, capsys):
     one_line_error(["ngram", "build", "--data", data, "--out", tmp_path / "n.safetensors"], capsys, "not a file")
 
 
+def test_a_bad_target_dtype_is_refused(tiny_run, tmp_path, capsys):
+    from dart_train.trainer import TrainConfig
+
+    root, _ = tiny_run
+    with pytest.raises(SystemExit) as exit_:
+        main([str(a) for a in train_args(root, tmp_path / "o", "--target-dtype", "int8")])
+    assert exit_.value.code == 2 and "invalid choice: 'int8'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="target_dtype must be one of float32, float16, bfloat16"):
+        TrainConfig(data=[str(root / "data")], out=str(tmp_path / "o"), target_dtype="int8").validate()
+
+
 @pytest.mark.parametrize("device,message", [("bogus", "is not one of auto, cpu, cuda"),
                                             ("cuda:0", "no CUDA device")])
 def test_bad_devices_are_one_line(tiny_run, tmp_path, capsys, device, message):
