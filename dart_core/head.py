@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dart_core.config import CONFIG_NAME, DartConfig, TreeConfig
-from dart_core.io import atomic_write, load_safetensors_checked, save_safetensors_atomic
+from dart_core.io import atomic_write, is_inside, load_safetensors_checked, save_safetensors_atomic
 from dart_core.tree import DraftTree, build_draft_tree, topk_draft_tokens
 
 WEIGHTS_NAME = "model.safetensors"
@@ -322,10 +322,9 @@ class DartHead(nn.Module):
         b, t = ids.shape
         if t == 0:
             raise ValueError("the head needs at least one new row (T >= 1)")
-        lo, hi = int(ids.min()), int(ids.max())
-        if lo < 0 or hi >= cfg.vocab_size:
-            raise ValueError(f"shifted_ids hold token id {lo if lo < 0 else hi}, outside the vocabulary "
-                             f"0..{cfg.vocab_size - 1}")
+        bad = id_outside_vocab(ids, cfg.vocab_size)
+        if bad is not None:
+            raise ValueError(f"shifted_ids hold token id {bad}, outside the vocabulary 0..{cfg.vocab_size - 1}")
         if cache is not None and cache.batch_size != b:
             raise ValueError(f"cache holds {cache.batch_size} rows but the inputs have batch size {b}")
         if lengths is not None and (lengths.shape != (b,) or bool((lengths < 1).any()) or bool((lengths > t).any())):
@@ -447,9 +446,8 @@ def file_inside(directory: str, name: Any, key: str) -> str:
     stays inside (a head directory never makes the project open files elsewhere)."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"{directory}/config.json: {key} must be a file name, got {name!r}")
-    root = os.path.realpath(directory)
-    full = os.path.realpath(os.path.join(root, name))
-    if os.path.isabs(name) or not full.startswith(root + os.sep):
+    full = os.path.realpath(os.path.join(directory, name))
+    if os.path.isabs(name) or not is_inside(full, directory):
         raise ValueError(f"{directory}/config.json: {key} {name!r} points outside the head directory; only files "
                          "inside it are read")
     return full
@@ -506,6 +504,15 @@ def additive_mask(see: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """bool visibility [B, Q, S] -> additive float mask [B, 1, Q, S] (0 visible, finfo.min hidden)."""
     zero = torch.zeros((), dtype=dtype, device=see.device)
     return torch.where(see, zero, torch.finfo(dtype).min)[:, None]
+
+
+def id_outside_vocab(ids: torch.Tensor, vocab_size: int) -> Optional[int]:
+    """A token id of `ids` (any shape) outside 0..vocab_size-1 (the lowest if one is negative, else the highest), or
+    None when all lie inside. One host synchronisation."""
+    if not ids.numel():
+        return None
+    lo, hi = torch.stack((ids.min(), ids.max())).tolist()
+    return lo if lo < 0 else hi if hi >= vocab_size else None
 
 
 def draft_vocab_problem(d2t: torch.Tensor, vocab_size: int) -> Optional[str]:

@@ -142,10 +142,14 @@ def load_safetensors_checked(path: str, expected: Mapping[str, tuple[int, ...]],
 
 
 # ---- output directories and files: refuse what would destroy input, build beside the destination, swap in ------------
+def is_inside(path: str | os.PathLike, directory: str | os.PathLike) -> bool:
+    """Whether `path` lies strictly inside `directory` (links resolved)."""
+    return os.path.realpath(path).startswith(os.path.realpath(directory).rstrip(os.sep) + os.sep)
+
+
 def _same_or_inside(path: str, other: str) -> bool:
-    path, other = os.path.realpath(path), os.path.realpath(other)
-    return path == other or path.startswith(other.rstrip(os.sep) + os.sep) or other.startswith(
-        path.rstrip(os.sep) + os.sep)
+    same = os.path.realpath(path) == os.path.realpath(other)
+    return same or is_inside(path, other) or is_inside(other, path)
 
 
 def check_destination(dst: str, force: bool, sources: Iterable[str] = ()) -> str:

@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 
 from dart_core import DartHead, DraftTreeBatch, TreeConfig, verify_tree
+from dart_core.head import id_outside_vocab
 from dart_core.matmul import few_row_linears
 from dart_core.tree import DraftTree, score_ranks
 from dart_hf.target import (TargetPlan, check_attention, check_cache, first_eos, keep_accepted_path, plan_for,
@@ -247,8 +248,8 @@ def _prepare(model, head: DartHead, input_ids, generation_config, model_kwargs, 
     if not generation_config.use_cache:
         raise ValueError("DART tree decoding needs use_cache=True")
     vocab = int(model.get_input_embeddings().weight.shape[0])
-    if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
-        bad = int(input_ids.min()) if int(input_ids.min()) < 0 else int(input_ids.max())
+    bad = id_outside_vocab(input_ids, vocab)
+    if bad is not None:
         raise ValueError(f"input_ids hold token id {bad}, outside the target vocabulary 0..{vocab - 1}")
     check_attention(model)
     cache = model_kwargs.get("past_key_values")

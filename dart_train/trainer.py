@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from dart_core import DartConfig, DartHead, Eagle3Head, NGramModel
+from dart_core.config import check_float, check_int
 from dart_core.io import WEIGHT_DTYPES, atomic_write, staged_directory
 from dart_hf.target import first_eos
 from dart_train.data import read_shards
@@ -111,15 +112,10 @@ class TrainConfig:
         positive = ("draft_length", "draft_vocab_size", "seq_len", "batch_size", "anchors_per_seq", "steps",
                     "eval_every", "checkpoint_every", "log_every", "ngram_order", "max_skipped_steps")
         for name in positive:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            check_int("TrainConfig", name, getattr(self, name))
         for name in ("warmup_steps", "eval_sequences", "tau_prompts", "tau_max_new_tokens", "tau_every_evals"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
-        if self.intermediate_size is not None and self.intermediate_size < 1:
-            raise ValueError(f"intermediate_size must be a positive integer, got {self.intermediate_size!r}")
+            check_int("TrainConfig", name, getattr(self, name), minimum=0)
+        check_int("TrainConfig", "intermediate_size", self.intermediate_size, optional=True)
         if self.seq_len < 3:
             raise ValueError(f"seq_len must be >= 3 (a prediction needs two tokens of context), got {self.seq_len}")
         for name, lo, hi in (("gamma", 0.0, 1.0), ("heldout_fraction", 0.0, 0.5)):
@@ -127,11 +123,8 @@ class TrainConfig:
             if not (isinstance(value, (int, float)) and lo <= value <= hi):
                 raise ValueError(f"{name} must be in [{lo}, {hi}], got {value!r}")
         for name in ("lr", "grad_clip"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
-                raise ValueError(f"{name} must be a positive number, got {value!r}")
-        if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
-            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay!r}")
+            check_float("TrainConfig", name, getattr(self, name), strict=True)
+        check_float("TrainConfig", "weight_decay", self.weight_decay)
         if self.mode not in HEAD_CLASSES:
             raise ValueError(f"mode must be one of {', '.join(HEAD_CLASSES)}, got {self.mode!r}")
         if self.target_dtype is not None and self.target_dtype not in WEIGHT_DTYPES:
@@ -140,10 +133,8 @@ class TrainConfig:
             raise ValueError(f"save_dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {self.save_dtype!r}")
         if self.stop_at is not None and self.stop_at < 1:
             raise ValueError(f"stop_at must be >= 1, got {self.stop_at!r}")
-        if self.time_budget is not None and not (isinstance(self.time_budget, (int, float))
-                                                 and not isinstance(self.time_budget, bool)
-                                                 and math.isfinite(self.time_budget) and self.time_budget > 0):
-            raise ValueError(f"time_budget must be a positive number of seconds, got {self.time_budget!r}")
+        if self.time_budget is not None:
+            check_float("TrainConfig", "time_budget", self.time_budget, strict=True)
         for d in self.data:
             if not os.path.isdir(d):
                 raise FileNotFoundError(f"data directory not found: {d}")
@@ -711,7 +702,10 @@ class Trainer:
         budget = _Budget(self) if cfg.time_budget is not None else None
         last_eval, losses, skipped_total, skipped_in_a_row = None, [], 0, 0
         step = self.start_step
-        while step < (min(self.total_steps, cfg.stop_at) if cfg.stop_at is not None else self.total_steps):
+        def end() -> int:  # the time budget may move total_steps
+            return min(self.total_steps, cfg.stop_at) if cfg.stop_at is not None else self.total_steps
+
+        while step < end():
             t_step = time.perf_counter()
             result = self.train_step(step)
             t_step = time.perf_counter() - t_step
@@ -739,8 +733,7 @@ class Trainer:
                                 "/".join(f"{a:.2f}" for a in acc[:3]) + f" {tok_s:.0f} tok/s"
                                 + (f" skipped {skipped_total}" if skipped_total else ""))
             bar.update(1)
-            end = min(self.total_steps, cfg.stop_at) if cfg.stop_at is not None else self.total_steps
-            if step % cfg.log_every == 0 or step == end:
+            if step % cfg.log_every == 0 or step == end():
                 self._log("train.jsonl", {"step": step, "loss": window["loss"] / window["n"], "acc": acc,
                                           "lr": self.scheduler.get_last_lr()[0], "tokens_per_s": tok_s,
                                           "target_s_per_step": window["target_s"] / window["n"],
@@ -757,7 +750,7 @@ class Trainer:
                 if last_eval is not None and self.dist.main:
                     bar.write(f"step {step}: held-out loss {last_eval.get('loss', float('nan')):.4f} acc "
                               + "/".join(f"{a:.2f}" for a in last_eval.get("acc", [])[:4]))
-            if step % cfg.checkpoint_every == 0 or step == end:
+            if step % cfg.checkpoint_every == 0 or step == end():
                 self._checkpoint(step)
         bar.close()
         summary = {"step": step, "losses": losses, "out": str(self.out), "skipped_steps": skipped_total}
@@ -813,14 +806,13 @@ class _Budget:
         mean_s = self.timed_s / self.timed_steps if timed else self.all_s / (step - trainer.start_step)
         eval_batches = math.ceil(min(cfg.eval_sequences, len(trainer.heldout_windows)) / cfg.batch_size)
         eval_s = self.eval_s if self.eval_s is not None else eval_batches * mean_s  # the target forward dominates both
-        if not timed:
-            return now + mean_s + eval_s + self.extras_s > self.deadline
-        first_fit = trainer.total_steps == UNFITTED_STEPS
-        trainer.total_steps = fit_steps(self.deadline - now - self.extras_s, mean_s, eval_s, cfg.eval_every, step)
-        if first_fit:
-            trainer._log("train.jsonl", {"step": step, "time_budget_s": cfg.time_budget, "step_s": mean_s,
-                                         "fitted_steps": trainer.total_steps})
-        bar.total = trainer.total_steps
+        if timed:
+            first_fit = trainer.total_steps == UNFITTED_STEPS
+            trainer.total_steps = fit_steps(self.deadline - now - self.extras_s, mean_s, eval_s, cfg.eval_every, step)
+            if first_fit:
+                trainer._log("train.jsonl", {"step": step, "time_budget_s": cfg.time_budget, "step_s": mean_s,
+                                             "fitted_steps": trainer.total_steps})
+            bar.total = trainer.total_steps
         return now + mean_s + eval_s + self.extras_s > self.deadline
 
 
