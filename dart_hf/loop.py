@@ -28,8 +28,10 @@ class DartStats:
     tau: mean tokens produced per verify step, bonus included (before stopping criteria cut the last block).
     Times are wall-clock seconds: prefill (target + head on the prompt), head forwards (an `Eagle3Head`: all its
     draft levels with their top-k expansions), tree searches (an `Eagle3Head`: the final node selection), verify
-    steps (target forward + acceptance + cache compaction) and, within those, the target forwards alone. The
-    `assistant_model=` route fills prompt tokens, accepted lengths and head / tree times only.
+    steps and, within those, the tree mask build, the target forwards, the acceptance and the KV compaction. With
+    `dart_sync_timing=True` every clock read waits for the device first (per-phase times on an accelerator, at the
+    cost of those synchronisations). The `assistant_model=` route fills prompt tokens, accepted lengths and head /
+    tree times only.
     """
 
     prompt_tokens: int = 0
@@ -41,7 +43,17 @@ class DartStats:
     head_time: float = 0.0
     tree_time: float = 0.0
     verify_time: float = 0.0
+    mask_time: float = 0.0
     target_time: float = 0.0
+    accept_time: float = 0.0
+    compact_time: float = 0.0
+    sync_timing: bool = False
+
+    def clock(self, device: torch.device) -> float:
+        """perf_counter seconds, after waiting for `device` when `sync_timing` is set."""
+        if self.sync_timing and device.type != "cpu":
+            torch.accelerator.synchronize(device)
+        return time.perf_counter()
 
     @property
     def steps(self) -> int:
@@ -84,7 +96,7 @@ class DartStats:
 def dart_decoding(model, input_ids: torch.LongTensor, logits_processor, stopping_criteria, generation_config,
                   synced_gpus: bool = False, streamer=None, *, dart_head: Optional[DartHead] = None, dart_ngram=None,
                   dart_tree_config: Optional[TreeConfig] = None, dart_streamer=None, dart_tokenizer=None,
-                  **model_kwargs):
+                  dart_sync_timing: bool = False, **model_kwargs):
     """Tree decoding loop for `model.generate(..., custom_generate=dart_decoding, dart_head=head)`: `prefill`, then
     `draft` and `verify_step` until a stopping criterion holds on an accepted prefix (docs/DESIGN.md §1.3).
 
@@ -93,7 +105,8 @@ def dart_decoding(model, input_ids: torch.LongTensor, logits_processor, stopping
     `topk` as its branching, `max_depth` as its number of levels and `remain_total` as its node count; `dart_ngram`
     does not apply to it.
     `dart_ngram` overrides `dart_head.ngram`; `dart_tree_config` overrides `dart_head.tree_config` (default: the
-    reference settings with the target's EOS). Statistics of the call land in `model.dart_stats` (`DartStats`).
+    reference settings with the target's EOS). Statistics of the call land in `model.dart_stats` (`DartStats`;
+    `dart_sync_timing=True` makes its per-phase times wait for the device).
     """
     head = dart_head
     if head is None:
@@ -107,7 +120,7 @@ def dart_decoding(model, input_ids: torch.LongTensor, logits_processor, stopping
     want_scores = generation_config.return_dict_in_generate and generation_config.output_scores
     want_logits = generation_config.return_dict_in_generate and generation_config.output_logits
     scores, raw_logits = [], []
-    stats = DartStats(prompt_tokens=int(input_ids.shape[1]))
+    stats = DartStats(prompt_tokens=int(input_ids.shape[1]), sync_timing=bool(dart_sync_timing))
     model.dart_stats = stats
     if streamer is not None:
         streamer.put(input_ids.cpu())
@@ -173,7 +186,7 @@ class _Verifier:
 def prefill(verifier: _Verifier, input_ids: torch.Tensor, stats: DartStats) -> Step:
     """The target over the prompt [1, n]; its last position picks the first token, verified as a one-node tree so
     that logits processors and sampling apply exactly as in every later step."""
-    t0 = time.perf_counter()
+    t0 = stats.clock(input_ids.device)
     n = input_ids.shape[1]
     out = verifier.model(input_ids=input_ids, position_ids=torch.arange(n, device=input_ids.device)[None],
                          past_key_values=verifier.cache, use_cache=True,
@@ -181,7 +194,7 @@ def prefill(verifier: _Verifier, input_ids: torch.Tensor, stats: DartStats) -> S
     root_only = DraftTree(input_ids[0, -1:], torch.tensor([-1]), torch.tensor([0]), torch.zeros(1))
     node_logits = out.logits[:, -1:].float()  # [1, 1, V]
     new_tokens = verifier.accept(root_only, node_logits, input_ids).bonus_token.to(input_ids.device)  # [1]
-    stats.prefill_time = time.perf_counter() - t0
+    stats.prefill_time = stats.clock(input_ids.device) - t0
     return Step(new_tokens, node_logits[0], tapped_hidden_states(out, verifier.plan.layer_ids),
                 torch.cat((input_ids[:, 1:], new_tokens[None]), dim=1))
 
@@ -191,39 +204,46 @@ def draft(head: DartHead, step: Step, head_cache, sequence: torch.Tensor, ngram,
     """One drafting pass over the step's new rows (a DART head: one forward with its mask rows) and the tree search
     (the drafter interface, docs/DESIGN.md §1.2); `sequence` [1, L] ends with the root."""
     context_len = max(ngram.order - 1, 1) if ngram is not None else 1
-    t0 = time.perf_counter()
+    device = sequence.device
+    t0 = stats.clock(device)
     with few_row_linears(head):
         candidates = head.draft(step.aux_rows, step.head_input_ids, head_cache, tree_config)
-    t1 = time.perf_counter()
+    t1 = stats.clock(device)
     tree = head.build_tree(candidates, sequence[0, -context_len:], ngram, tree_config)
     stats.head_time += t1 - t0
-    stats.tree_time += time.perf_counter() - t1
+    stats.tree_time += stats.clock(device) - t1
     stats.tree_nodes = tree.num_nodes
     return tree
 
 
 def verify_step(verifier: _Verifier, tree: DraftTree, sequence: torch.Tensor, stats: DartStats) -> Step:
     """One target forward over the tree, acceptance, and the KV cache compacted to the accepted path."""
-    t0 = time.perf_counter()
     device = sequence.device
+    t0 = stats.clock(device)
     dtype = next(verifier.model.parameters()).dtype
     past = verifier.cache.get_seq_length()
     mask = tree_attention_mask(tree.ancestor_mask(), past, dtype).to(device)
-    t1 = time.perf_counter()
+    t1 = stats.clock(device)
     out = tree_forward(verifier.model, tree.tokens[None].to(device), (past + tree.depths)[None].to(device), mask,
                        verifier.cache, verifier.plan.layer_ids)
-    stats.target_time += time.perf_counter() - t1
+    t2 = stats.clock(device)
     logits = out.logits.float()  # [1, N, V]
     result = verifier.accept(tree, logits, sequence)
     accepted = int(result.accept_length[0])
     path = result.accepted_nodes[0, : accepted + 1].to(device)  # root first
+    t3 = stats.clock(device)
     keep_accepted_path(verifier.cache, past, path)
+    t4 = stats.clock(device)
+    stats.mask_time += t1 - t0
+    stats.target_time += t2 - t1
+    stats.accept_time += t3 - t2
+    stats.compact_time += t4 - t3
     stats.accepted_lengths.append(accepted)
     stats.accepted_ranks.append(score_ranks(tree.scores, path[1:]).tolist() if accepted else [])
     new_tokens = torch.cat((tree.tokens[path[1:]].to(device), result.bonus_token.to(device)))  # [a+1]
     step = Step(new_tokens, logits[0, path], tapped_hidden_states(out, verifier.plan.layer_ids)[:, path],
                 new_tokens[None])
-    stats.verify_time += time.perf_counter() - t0
+    stats.verify_time += stats.clock(device) - t0
     return step
 
 
