@@ -2,22 +2,21 @@
 
     convert_official(src, dst, ngram=None, target=None, dtype=None, force=False)  official DART dir -> our head dir
     convert_trie(src, dst, vocab_size=None, force=False, progress=True) -> stats   official .trie -> ngram.safetensors
-    convert_sglang(src, dst, target=None, num_target_layers=None, ...)             a head dir -> SGLang plugin dir
     convert_eagle3(src, dst, draft_length, seed=0, ...)                            EAGLE3 head -> DART head (warm start)
     read_official_trie(path) -> (NGramModel, stats); write_official_trie(path, seqs_or_model, order)
 
 Every converter refuses an existing destination unless `force`, and builds its output beside the destination
-before swapping it in, so a failure leaves no partial output. CLI: `dart-spec convert {official,trie,sglang,eagle3}`.
+before swapping it in, so a failure leaves no partial output. CLI: `dart-spec convert {official,trie,eagle3}`. The
+SGLang directory is SGLang's format: `dart_sglang.head_format.convert_sglang` (`dart-spec convert sglang`) writes it
+with the shared pieces of `dart_converters.heads`.
 """
 
 from .heads import (
     target_shape,
     convert_eagle3,
     convert_official,
-    convert_sglang,
     init_mask_rep,
     read_target_config,
-    sglang_config,
 )
 from .trie import (
     NODE_ORDERS,
@@ -34,12 +33,10 @@ __all__ = [
     "target_shape",
     "convert_eagle3",
     "convert_official",
-    "convert_sglang",
     "convert_trie",
     "init_mask_rep",
     "read_official_trie",
     "read_target_config",
     "read_trie_header",
-    "sglang_config",
     "write_official_trie",
 ]

@@ -1,4 +1,5 @@
-"""`dart-spec convert {official,trie,sglang,eagle3}`: checkpoint and n-gram conversions (see `dart_converters`)."""
+"""`dart-spec convert {official,trie,sglang,eagle3}`: checkpoint and n-gram conversions (see `dart_converters`; the
+SGLang directory: `dart_sglang.head_format`)."""
 
 from __future__ import annotations
 
@@ -115,7 +116,7 @@ def _run_trie(args: argparse.Namespace) -> int:
 
 
 def _run_sglang(args: argparse.Namespace) -> int:
-    from dart_converters import convert_sglang
+    from dart_sglang.head_format import CONFIG_BLOCK, NGRAM_KEY, convert_sglang
 
     summary = convert_sglang(args.src, args.dst, target=args.target, num_target_layers=args.num_target_layers,
                              ngram=args.ngram, dtype=args.dtype, force=args.force, eos_token_id=args.eos_token_id,
@@ -124,7 +125,7 @@ def _run_sglang(args: argparse.Namespace) -> int:
     cfg = summary["config"]
     print(f"wrote {summary['dst']} ({summary['dtype']}; eagle_aux_hidden_state_layer_ids "
           f"{cfg['eagle_config']['eagle_aux_hidden_state_layer_ids']}; n-gram "
-          f"{cfg['dart_config'].get('ngram_file', 'none')})")
+          f"{cfg[CONFIG_BLOCK].get(NGRAM_KEY, 'none')})")
     return 0
 
 

@@ -21,9 +21,6 @@ TREE_CONFIG_KEY = "dart_tree"
 NGRAM_FILE_KEY = "dart_ngram_file"
 # `architectures` entry of an EAGLE3-style drafter's directory (dart_core.eagle3.Eagle3Head)
 EAGLE3_ARCHITECTURE = "Eagle3Head"
-# the block an SGLang-flavour head directory keeps its tree settings (and "ngram_file") in
-SGLANG_CONFIG_KEY = "dart_config"
-SGLANG_NGRAM_KEY = "ngram_file"  # the n-gram file's name inside that block
 # present in some checkpoints; the head uses the target's embedding table instead
 OPTIONAL_KEYS = ("embed_tokens.weight",)
 
@@ -384,7 +381,10 @@ class DartHead(nn.Module):
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, dtype: Optional[torch.dtype] = None,
                         device: Optional[str | torch.device] = None, load_ngram: bool = True) -> "DartHead":
-        """Load an official DART checkpoint directory or one saved by `save_pretrained`."""
+        """Load an official DART checkpoint directory or one saved by `save_pretrained`.
+
+        Tree settings and the n-gram come from this project's keys only (`dart_tree`, `dart_ngram_file`): a
+        directory in an integration's format (the SGLang one) loads its weights, and its format reads the rest."""
         path = os.fspath(path)
         if not os.path.isdir(path):
             raise FileNotFoundError(f"DART head directory not found: {path}")
@@ -405,7 +405,7 @@ class DartHead(nn.Module):
         check_draft_vocab(head.d2t, config.vocab_size, source=weights_file)
         if embed is not None:
             head.set_input_embeddings(nn.Embedding.from_pretrained(embed, freeze=True), save_with_head=True)
-        tree, ngram_file = tree_settings(config.extra)
+        tree, ngram_file = config.extra.get(TREE_CONFIG_KEY), config.extra.get(NGRAM_FILE_KEY)
         if tree is not None:
             head.tree_config = TreeConfig.from_dict(tree)
         if load_ngram and ngram_file:
@@ -463,15 +463,6 @@ def _check_architecture(cls: type, config: DartConfig, path: str) -> None:
     if cls.ARCHITECTURE != eagle3 and eagle3 in saved:
         raise ValueError(f"{path} holds an EAGLE3-style drafter, not a DART head: load it with "
                          f"dart_core.eagle3.Eagle3Head.from_pretrained")
-
-
-def tree_settings(extra: dict) -> tuple[Optional[dict], Optional[str]]:
-    """(tree settings, n-gram file) from this project's keys or, in an SGLang-flavour directory, `dart_config`."""
-    if TREE_CONFIG_KEY in extra or NGRAM_FILE_KEY in extra:
-        return extra.get(TREE_CONFIG_KEY), extra.get(NGRAM_FILE_KEY)
-    sglang = dict(extra.get(SGLANG_CONFIG_KEY) or {})
-    ngram_file = sglang.pop(SGLANG_NGRAM_KEY, None)
-    return (sglang or None), ngram_file
 
 
 def row_positions(past: torch.Tensor, lengths: torch.Tensor, t: int, d: int) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from .head_format import SGLANG_ARCHITECTURE
 from .spec import ALGORITHM, DartSpecAlgo, decode_alloc_len, req_to_token_headroom
 
 _SIZING = "sglang.srt.mem_cache.allocation_sizing"
@@ -14,7 +15,7 @@ def _worker_class(server_args):
 
 
 def register() -> None:
-    """Register the `DART` speculative algorithm, the `LlamaForCausalLMDart` draft model and the KV sizing hooks
+    """Register the `DART` speculative algorithm, the draft model `SGLANG_ARCHITECTURE` and the KV sizing hooks
     (applied by SGLang's plugin loader; they change nothing for other algorithms). Idempotent."""
     from sglang.srt.models.registry import ModelRegistry
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
@@ -25,5 +26,5 @@ def register() -> None:
         HookRegistry.register(f"{_SIZING}.get_alloc_len_per_decode", decode_alloc_len, HookType.AROUND)
         HookRegistry.register(f"{_SIZING}.get_req_to_token_extra_context_len", req_to_token_headroom,
                               HookType.AROUND)
-    if not ModelRegistry.is_arch_supported("LlamaForCausalLMDart"):
+    if not ModelRegistry.is_arch_supported(SGLANG_ARCHITECTURE):
         ModelRegistry.register("dart_sglang.models")

@@ -1,4 +1,4 @@
-"""DART serving settings read from an SGLang-flavour head directory (`dart-spec convert sglang`), and the SGLang
+"""DART serving settings read from an SGLang-flavour head directory (`dart_sglang.head_format`), and the SGLang
 speculative arguments they imply. Pure Python: no SGLang import."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import math
 import os
 from typing import Optional
 
-from dart_core.config import CONFIG_NAME, DartConfig, TreeConfig
-from dart_core.head import SGLANG_CONFIG_KEY, file_inside, tree_settings
-from dart_converters.heads import SGLANG_ARCHITECTURE
+from dart_core.config import TreeConfig
+
+from .head_format import read_sglang_dir
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,28 +31,8 @@ class DartServeSettings:
 
     @classmethod
     def from_draft_dir(cls, path: str | os.PathLike) -> "DartServeSettings":
-        path = os.fspath(path)
-        file = os.path.join(path, CONFIG_NAME)
-        if not os.path.isfile(file):
-            raise FileNotFoundError(f"DART draft directory has no {CONFIG_NAME}: {path}")
-        config = DartConfig.from_pretrained(path)  # checks the head's shape fields (draft_length, vocab sizes, ...)
-        architectures = config.extra.get("architectures") or []
-        if SGLANG_ARCHITECTURE not in architectures:
-            raise ValueError(f"{file}: architectures {architectures} is not [{SGLANG_ARCHITECTURE!r}]; "
-                             "convert the head first: dart-spec convert sglang HEAD_DIR OUT_DIR --target TARGET_DIR")
-        if not isinstance(config.extra.get(SGLANG_CONFIG_KEY), dict):
-            raise ValueError(f"{file} has no {SGLANG_CONFIG_KEY!r} block (tree settings); convert the head with "
-                             "dart-spec convert sglang")
-        block, ngram_file = tree_settings(config.extra)
-        tree = TreeConfig.from_dict(block or {})
-        if config.draft_vocab_size < tree.topk:
-            raise ValueError(f"{file}: the tree takes topk={tree.topk} candidates per level but the draft vocabulary "
-                             f"has {config.draft_vocab_size} tokens; lower dart_config.topk")
-        ngram_path = None
-        if ngram_file is not None:
-            ngram_path = file_inside(path, ngram_file, "dart_config.ngram_file")
-            if not os.path.isfile(ngram_path):
-                raise FileNotFoundError(f"{file} names n-gram file {ngram_file!r} but {ngram_path} does not exist")
+        """The settings of an SGLang-flavour head directory, checked (`head_format.read_sglang_dir`)."""
+        config, tree, ngram_path = read_sglang_dir(path)
         return cls.for_tree(tree, config.draft_length, ngram_path)
 
     @classmethod

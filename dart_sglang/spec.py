@@ -10,6 +10,7 @@ from sglang.srt.arg_groups.model_override_base import resolving_view
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang.srt.speculative.spec_registry import CustomSpecAlgo
 
+from .head_format import CONFIG_BLOCK
 from .settings import DartServeSettings
 
 ALGORITHM = "DART"
@@ -81,7 +82,7 @@ def resolve_server_args(server_args) -> DartServeSettings:
     clash = {k: (v, wanted[k]) for k, v in given.items() if v != wanted[k]}
     if clash:
         detail = "; ".join(f"--{k.replace('_', '-')} {v} but the head's trees need {w}" for k, (v, w) in clash.items())
-        raise ValueError(f"DART sizes its trees from {cfg.speculative_draft_model_path}/config.json (dart_config): "
+        raise ValueError(f"DART sizes its trees from {cfg.speculative_draft_model_path}/config.json ({CONFIG_BLOCK}): "
                          f"{detail}. Leave these flags out.")
     declare_resolution(server_args, "dart_sglang", **wanted)
     _handle_eagle_family(server_args)

@@ -23,7 +23,7 @@ def write_models(root, draft_length: int = 4, tree: dict | None = None, seed: in
     """A tiny 8-layer Llama target with a word tokenizer, and a random DART head converted for SGLang.
     Returns (target_dir, head_dir)."""
     from conftest import _word_tokenizer
-    from dart_converters import convert_sglang
+    from dart_sglang.head_format import convert_sglang
     from hf_models import random_head, tiny_target
 
     target_dir, raw_dir, head_dir = (os.path.join(root, n) for n in ("target", "head", "head-sglang"))

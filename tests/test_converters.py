@@ -24,13 +24,13 @@ from dart_converters import (
     TrieFormatError,
     convert_eagle3,
     convert_official,
-    convert_sglang,
     convert_trie,
     init_mask_rep,
     read_official_trie,
     write_official_trie,
 )
 from dart_core import DartConfig, DartHead, NGramModel, TreeConfig
+from dart_sglang.head_format import convert_sglang, read_sglang_dir
 
 TINY = dict(hidden_size=16, intermediate_size=24, num_attention_heads=4, num_key_value_heads=2, vocab_size=40,
             draft_vocab_size=20, draft_length=3, target_hidden_size=16, rms_norm_eps=1e-6, rope_theta=10000.0,
@@ -544,15 +544,23 @@ def test_convert_sglang_from_our_dir(tmp_path, inputs):
                                   "max_depth": None, "ngram_file": "ngram.safetensors"}
     assert "dart_tree" not in cfg and "dart_ngram_file" not in cfg
     assert (sgl / "ngram.safetensors").read_bytes() == (ours / "ngram.safetensors").read_bytes()
-    loaded = DartHead.from_pretrained(sgl)  # our own loader reads the SGLang directory too
-    assert loaded.config.target_layer_ids == [2, 4, 5]
-    assert loaded.tree_config == TreeConfig(eos_token_id=7, topk=16)  # from dart_config
-    assert loaded.ngram is not None and loaded.ngram.num_nodes == DartHead.from_pretrained(ours).ngram.num_nodes
+    # the SGLang format's reader gives the settings back; the core loader reads the weights and only its own keys
+    config, tree, ngram_path = read_sglang_dir(sgl)
+    assert tree == TreeConfig(eos_token_id=7, topk=16) and ngram_path == str(sgl / "ngram.safetensors")
+    assert NGramModel.load(ngram_path).num_nodes == DartHead.from_pretrained(ours).ngram.num_nodes
+    loaded = DartHead.from_pretrained(sgl)
+    assert loaded.config.target_layer_ids == config.target_layer_ids == [2, 4, 5]
+    assert loaded.tree_config is None and loaded.ngram is None  # dart_config is SGLang's block, not the core's
     with safe_open(str(sgl / "model.safetensors"), "pt") as fh:
         assert fh.get_slice("midlayer.mask_rep").get_dtype() == "BF16" and "d2t" in fh.keys()
     ref = DartHead.from_pretrained(src)
     assert torch.equal(loaded.d2t, ref.d2t) and torch.equal(loaded.t2d, ref.t2d)
     torch.testing.assert_close(loaded.fc.weight, ref.fc.weight.to(torch.bfloat16).float(), rtol=0, atol=0)
+    # an SGLang directory converted again keeps its tree settings and n-gram
+    convert_sglang(sgl, tmp_path / "again")
+    again = json.loads((tmp_path / "again" / "config.json").read_text())
+    assert again["dart_config"] == cfg["dart_config"] and again["eagle_config"] == cfg["eagle_config"]
+    assert (tmp_path / "again" / "ngram.safetensors").read_bytes() == (sgl / "ngram.safetensors").read_bytes()
 
 
 def test_convert_sglang_needs_taps_for_official_dirs(tmp_path):

@@ -99,7 +99,7 @@ def test_dart_server_is_lossless_and_batches(models, plain_outputs, hf_target):
 
 
 def test_a_head_that_drafts_right_gets_drafts_accepted(models, hf_target, tmp_path):
-    from dart_converters import convert_sglang
+    from dart_sglang.head_format import convert_sglang
     from hf_models import random_head
 
     _, target_dir, _ = models
