@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 
 import dart_hf
+from dart_bench import load_prompt_sets
 from dart_core import TreeConfig
 from dart_core.ngram import NGramModel
-from dart_hf.bench import load_prompt_sets
 from dart_hf.calibration import acceptance_run, base_tree_config, encode_prompts
 from results_io import write_results
 

@@ -7,8 +7,8 @@ import importlib.util
 import platform
 from pathlib import Path
 
+from dart_bench import METHODS, PROMPT_SETS
 from dart_cli.errors import UsageError
-from dart_hf.bench import METHODS, PROMPT_SETS
 
 
 def add_bench(sub) -> None:
@@ -59,9 +59,9 @@ def _run_bench(args: argparse.Namespace) -> int:
     import torch
 
     import dart_hf
+    from dart_bench import (EAGLE3_SEARCHES, BenchConfig, calibrated_tree, load_prompt_sets, markdown_table,
+                            run_bench, write_report)
     from dart_core import Eagle3Head
-    from dart_hf.bench import (EAGLE3_SEARCHES, BenchConfig, calibrated_tree, load_prompt_sets, markdown_table,
-                               run_bench, write_report)
     from dart_hf.calibration import device_name
     from dart_hf.target import plan_for
 

@@ -52,8 +52,9 @@ def core_demo(seed: int = 0, batch_size: int = 4, remain_total: int = 60, prompt
     # a synthetic target that agrees with the deepest root-to-leaf path of each tree
     n, v = trees.num_nodes, vocab
     target_logits = torch.randn(batch_size, n, v, generator=gen)
+    deepest = trees.ancestor_mask()[torch.arange(batch_size), trees.depths.argmax(dim=1)]  # [B, N]: its path's nodes
     for b in range(batch_size):
-        path = max(trees[b].leaf_paths(), key=len)
+        path = deepest[b].nonzero().flatten().tolist()  # root first: every parent precedes its children
         for parent, child in zip(path, path[1:]):
             target_logits[b, parent, trees.tokens[b, child]] = 100.0
     result = verify_greedy(trees, target_logits)

@@ -38,21 +38,6 @@ class DraftTree:
             out.append(out[parents[i]] + (tokens[i],))
         return out[1:]
 
-    def leaf_paths(self) -> list[tuple[int, ...]]:
-        """Node-index paths from the root to every leaf, root included, in node order of the leaves."""
-        parents = self.parents.tolist()
-        has_child = set(parents[1:])
-        out = []
-        for leaf in range(len(parents)):
-            if leaf in has_child or (leaf == 0 and len(parents) > 1):
-                continue
-            path, node = [], leaf
-            while node != -1:
-                path.append(node)
-                node = parents[node]
-            out.append(tuple(reversed(path)))
-        return out
-
 
 @dataclasses.dataclass
 class DraftTreeBatch:

@@ -1,4 +1,4 @@
-"""`dart-spec bench` (dart_hf.bench): the method grid on a tiny target, the summary formulas, the prompt sets, the
+"""`dart-spec bench` (dart_bench): the method grid on a tiny target, the summary formulas, the prompt sets, the
 report files, bad input; and the GPU projection script on CPU with small shapes."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 import dart_hf
+from dart_bench import BenchConfig, load_prompt_sets, markdown_table, run_bench, summarize, write_report
 from dart_cli.main import main
 from dart_core import Eagle3Head
-from dart_hf.bench import BenchConfig, load_prompt_sets, markdown_table, run_bench, summarize, write_report
 from hf_models import random_head, tiny_target
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
@@ -140,7 +140,7 @@ def test_calibrated_tree_keeps_the_fastest_search(monkeypatch):
     import importlib
 
     from dart_core import TreeConfig
-    from dart_hf.bench import calibrated_tree
+    from dart_bench import calibrated_tree
 
     expected = {(1, 3): 0.9, (4, 3): 1.2, (10, 7): 0.7}  # (topk, max_depth) -> expected speedup
 

@@ -71,7 +71,6 @@ def test_hand_worked_two_levels():
     assert set(tree.paths()) == set(best4) == {(10,), (11,), (10, 20), (10, 21)}
     assert tree.tokens.tolist() == [5, 10, 11, 20, 21]
     assert tree.parents.tolist() == [-1, 0, 0, 1, 1]
-    assert tree.leaf_paths() == [(0, 2), (0, 1, 3), (0, 1, 4)]
     mask = tree.ancestor_mask()
     assert mask[3].tolist() == [True, True, False, True, False]
 

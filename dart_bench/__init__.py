@@ -1,4 +1,7 @@
-"""`dart-spec bench`: decoding methods compared on one target, one machine, one run.
+"""dart_bench: decoding methods compared on one target, one machine, one run (`dart-spec bench`, `benchmarks/`).
+
+Benchmarking, not an integration: it drives `dart_hf` from outside like any user would, and adds the prompt sets,
+the timing hook, the summary and the charts.
 
 Methods (batch size 1, `max_new_tokens` per prompt):
 
