@@ -17,6 +17,7 @@ from safetensors import safe_open
 
 from dart_core import DartConfig, DartHead, TreeConfig
 from dart_core.config import CONFIG_NAME
+from dart_core.errors import DartInputError
 from dart_core.fit import TargetShape, check_fits
 from dart_core.head import NGRAM_FILE_KEY, NGRAM_NAME, OPTIONAL_KEYS, TREE_CONFIG_KEY, WEIGHTS_NAME, check_draft_vocab
 from dart_core.io import WEIGHT_DTYPES, atomic_write, load_safetensors_checked, read_json_object, staged_directory
@@ -41,10 +42,10 @@ def resolve_dtype(dtype: Union[None, str, torch.dtype]) -> Optional[torch.dtype]
     """`"float32" | "float16" | "bfloat16"` (or a torch dtype, or None) -> torch dtype or None."""
     if dtype is None or isinstance(dtype, torch.dtype):
         if isinstance(dtype, torch.dtype) and dtype not in WEIGHT_DTYPES.values():
-            raise ValueError(f"dtype must be one of {sorted(WEIGHT_DTYPES)}, got {dtype}")
+            raise DartInputError(f"dtype must be one of {sorted(WEIGHT_DTYPES)}, got {dtype}")
         return dtype
     if dtype not in WEIGHT_DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(WEIGHT_DTYPES)}, got {dtype!r}")
+        raise DartInputError(f"dtype must be one of {sorted(WEIGHT_DTYPES)}, got {dtype!r}")
     return WEIGHT_DTYPES[dtype]
 
 
@@ -106,7 +107,7 @@ def read_target_config(target: PathLike) -> dict[str, Any]:
     for field in ("hidden_size", "vocab_size", "num_hidden_layers"):
         value = raw.get(field, text.get(field))
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ValueError(f"{file}: field {field!r} is missing or not a positive integer (got {value!r})")
+            raise DartInputError(f"{file}: field {field!r} is missing or not a positive integer (got {value!r})")
         out[field] = value
     eos = None
     gen_file = os.path.join(target, "generation_config.json")
@@ -211,23 +212,24 @@ def convert_eagle3(src: PathLike, dst: PathLike, draft_length: int, seed: int = 
     """
     src = require_dir(src, "EAGLE3 head")
     if isinstance(draft_length, bool) or not isinstance(draft_length, int) or draft_length < 1:
-        raise ValueError(f"draft_length must be a positive integer, got {draft_length!r}")
+        raise DartInputError(f"draft_length must be a positive integer, got {draft_length!r}")
     dtype = resolve_dtype(dtype)
     config_file = os.path.join(src, CONFIG_NAME)
     raw = read_json_object(config_file)
     arch = raw.get("architectures") or []
     if not any("eagle3" in str(a).lower() for a in arch):
-        raise ValueError(f"{config_file}: architectures {arch} name no EAGLE3 model (expected e.g. "
-                         "['LlamaForCausalLMEagle3'])")
+        raise DartInputError(f"{config_file}: architectures {arch} name no EAGLE3 model (expected e.g. "
+                             "['LlamaForCausalLMEagle3'])")
     if "draft_length" in raw and raw["draft_length"] != draft_length:
-        raise ValueError(f"{config_file} already sets draft_length {raw['draft_length']} but --draft-length "
-                         f"{draft_length} was given")
+        raise DartInputError(f"{config_file} already sets draft_length {raw['draft_length']} but --draft-length "
+                             f"{draft_length} was given")
     eagle = raw.get("eagle_config") or {}
     aux = eagle.get("eagle_aux_hidden_state_layer_ids")
     taps = None
     if aux is not None:
         if not isinstance(aux, list) or len(aux) != 3 or not all(isinstance(i, int) and i >= 0 for i in aux):
-            raise ValueError(f"{config_file}: eagle_aux_hidden_state_layer_ids must be 3 layer ids >= 0, got {aux!r}")
+            raise DartInputError(f"{config_file}: eagle_aux_hidden_state_layer_ids must be 3 layer ids >= 0, "
+                                 f"got {aux!r}")
         taps = [i + 1 for i in aux]
     fields = {k: v for k, v in raw.items() if k not in LAYOUT_KEYS}
     fields["draft_length"] = draft_length
@@ -243,8 +245,8 @@ def convert_eagle3(src: PathLike, dst: PathLike, draft_length: int, seed: int = 
     state = load_safetensors_checked(weights_file, expected, optional=OPTIONAL_KEYS)
     embed = state.pop(EMBED_KEY, None)
     if embed is not None and tuple(embed.shape) != (config.vocab_size, config.hidden_size):
-        raise ValueError(f"{weights_file}: key {EMBED_KEY!r} has shape {list(embed.shape)}, expected "
-                         f"{[config.vocab_size, config.hidden_size]}")
+        raise DartInputError(f"{weights_file}: key {EMBED_KEY!r} has shape {list(embed.shape)}, expected "
+                             f"{[config.vocab_size, config.hidden_size]}")
     out_dtype = dtype or weights_dtype(weights_file)
     state["midlayer.mask_rep"] = init_mask_rep(config.hidden_size, seed)
     head.load_state_dict(state, strict=True)

@@ -25,6 +25,7 @@ from typing import Optional, Union
 import numpy as np
 import torch
 
+from dart_core.errors import DartInputError
 from dart_core.ngram import NGramModel
 
 HEADER = struct.Struct("<QQ")  # order, node_count
@@ -42,7 +43,7 @@ DEFAULT_CHUNK_BYTES = 4 << 20  # measured: as fast as 8-32 MiB, far smaller tran
 NODE_ORDERS = ("bfs", "dfs", "random", "children-first")
 
 
-class TrieFormatError(ValueError):
+class TrieFormatError(DartInputError):
     """The `.trie` file is truncated, corrupt or inconsistent; the message names the byte offset."""
 
 
@@ -54,7 +55,7 @@ class TrieFormatError(ValueError):
 def max_key_base(order: int) -> int:
     """Largest base b with b**order <= 2**63 - 1: the widest digit range an int64 key of `order` digits holds."""
     if order < 1:
-        raise ValueError(f"n-gram order must be >= 1, got {order}")
+        raise DartInputError(f"n-gram order must be >= 1, got {order}")
     b = int(round(_INT64_MAX ** (1.0 / order)))
     while b ** order > _INT64_MAX:
         b -= 1
@@ -93,11 +94,11 @@ def _model_arrays(source, order: Optional[int]) -> tuple[np.ndarray, np.ndarray,
     """(sorted keys [N] int64, counts [N] int64, base, order) of an NGramModel or of token sequences."""
     if isinstance(source, NGramModel):
         if order is not None and int(order) != source.order:
-            raise ValueError(f"order {order} given but the model has order {source.order}")
+            raise DartInputError(f"order {order} given but the model has order {source.order}")
         model = source
     else:
         if order is None:
-            raise ValueError("order is required when writing token sequences")
+            raise DartInputError("order is required when writing token sequences")
         model = NGramModel.build(source, order=int(order))
     keys = model.keys.cpu().numpy().astype(np.int64, copy=False)
     counts = model.counts.cpu().numpy().astype(np.int64)
@@ -146,7 +147,7 @@ def _node_ids(keys: np.ndarray, parent_idx: np.ndarray, depth: np.ndarray, base:
     elif node_order == "random":
         new_id[1:] = rng.permutation(n - 1) + 1
     else:
-        raise ValueError(f"node_order must be one of {NODE_ORDERS}, got {node_order!r}")
+        raise DartInputError(f"node_order must be one of {NODE_ORDERS}, got {node_order!r}")
     return new_id
 
 
@@ -162,7 +163,7 @@ def write_official_trie(path: Union[str, os.PathLike], seqs_or_model, order: Opt
     """
     keys, counts, base, order = _model_arrays(seqs_or_model, order)
     if int(counts.max(initial=0)) > _INT32_MAX:
-        raise ValueError(f"count {int(counts.max())} does not fit the i32 freq field of the official format")
+        raise DartInputError(f"count {int(counts.max())} does not fit the i32 freq field of the official format")
     rng = np.random.default_rng(seed)
     n = keys.size
     depth = key_depths(keys, base, order)  # [N]
@@ -550,10 +551,10 @@ def read_official_trie(path: Union[str, os.PathLike], vocab_size: Optional[int] 
     order, n = read_trie_header(path, strict_size=strict_size)
     if vocab_size is not None:
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, (int, np.integer)) or vocab_size < 1:
-            raise ValueError(f"vocab_size must be a positive integer, got {vocab_size!r}")
+            raise DartInputError(f"vocab_size must be a positive integer, got {vocab_size!r}")
         if (int(vocab_size) + 1) ** order > _INT64_MAX:
-            raise ValueError(f"vocab size {vocab_size} with the trie's order {order} does not fit the int64 key "
-                             f"space of NGramModel ((vocab size + 1) ** order > 2**63 - 1)")
+            raise DartInputError(f"vocab size {vocab_size} with the trie's order {order} does not fit the int64 key "
+                                 f"space of NGramModel ((vocab size + 1) ** order > 2**63 - 1)")
         base, token_limit = int(vocab_size) + 1, int(vocab_size) - 1
     else:
         base = max_key_base(order)

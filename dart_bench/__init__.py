@@ -39,6 +39,7 @@ from typing import Optional, Sequence
 import torch
 
 from dart_core import TreeConfig
+from dart_core.errors import DartInputError
 
 METHODS = ("plain", "prompt_lookup", "dart_tree", "dart_chain", "eagle3")
 PROMPT_SETS = ("mt_bench", "humaneval", "gsm8k")
@@ -56,8 +57,11 @@ EAGLE3_SEARCHES = ({"topk": 1, "max_depth": 3}, {"topk": 2, "max_depth": 3}, {"t
 def _read_jsonl(path: Path) -> list[dict]:
     if not path.is_file():
         raise FileNotFoundError(f"prompt file not found: {path}")
-    with open(path, encoding="utf-8") as fh:
-        return [json.loads(line) for line in fh if line.strip()]
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return [json.loads(line) for line in fh if line.strip()]
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise DartInputError(f"{path}: not a JSON-lines file ({err})") from None
 
 
 def load_prompt_sets(data_dir: str | Path, per_set: int, sets: Sequence[str] = PROMPT_SETS) -> dict[str, list[str]]:
@@ -66,7 +70,7 @@ def load_prompt_sets(data_dir: str | Path, per_set: int, sets: Sequence[str] = P
     data = Path(data_dir)
     unknown = sorted(set(sets) - set(PROMPT_SETS))
     if unknown:
-        raise ValueError(f"unknown prompt set(s) {unknown}; known: {', '.join(PROMPT_SETS)}")
+        raise DartInputError(f"unknown prompt set(s) {unknown}; known: {', '.join(PROMPT_SETS)}")
     out = {}
     for name in sets:
         if name == "mt_bench":
@@ -196,15 +200,15 @@ class BenchConfig:
     def validate(self, drafters: dict) -> None:
         unknown = sorted(set(self.methods) - set(METHODS))
         if unknown:
-            raise ValueError(f"unknown method(s) {unknown}; known: {', '.join(METHODS)}")
+            raise DartInputError(f"unknown method(s) {unknown}; known: {', '.join(METHODS)}")
         needs = {"dart_tree": "dart", "dart_chain": "dart", "eagle3": "eagle3"}
         missing = sorted({needs[m] for m in self.methods if m in needs and drafters.get(needs[m]) is None})
         if missing:
-            raise ValueError(f"no drafter given for {', '.join(missing)} (methods {', '.join(self.methods)})")
+            raise DartInputError(f"no drafter given for {', '.join(missing)} (methods {', '.join(self.methods)})")
         if self.repeats < 1 or self.max_new_tokens < 1:
-            raise ValueError("repeats and max_new_tokens must be >= 1")
+            raise DartInputError("repeats and max_new_tokens must be >= 1")
         if any(t < 0 for t in self.temperatures):
-            raise ValueError(f"temperatures must be >= 0, got {list(self.temperatures)}")
+            raise DartInputError(f"temperatures must be >= 0, got {list(self.temperatures)}")
 
 
 def run_bench(model, tokenizer, drafters: dict, prompt_sets: dict[str, list[str]], config: BenchConfig,

@@ -7,6 +7,7 @@ import sys
 from typing import Callable, Optional
 
 from dart_core.config import TreeConfig
+from dart_core.errors import DartInputError
 
 from dart_cli.bench import add_bench
 from dart_cli.convert import add_convert
@@ -90,7 +91,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     args.extra = extra
     try:
         return args.run(args)
-    except (ValueError, OSError) as err:  # bad input (UsageError is one), or the file system said no (full, read-only)
+    except (DartInputError, OSError) as err:
+        # bad input (UsageError is one), or the file system's answer about a path (missing, full, read-only); any
+        # other exception, a plain ValueError included, is a bug: its traceback is what a report needs
         print(f"dart-spec {args.command}: error: {_one_line(err)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -7,6 +7,8 @@ import importlib.util
 import os
 import sys
 
+from dart_cli.errors import UsageError
+
 
 def add_serve(sub) -> None:
     p = sub.add_parser("serve", help="an SGLang server that decodes with a DART head",
@@ -39,5 +41,5 @@ def _run_serve(args: argparse.Namespace) -> int:
         print(" ".join(cmd))
         return 0
     if importlib.util.find_spec("sglang") is None:
-        raise ValueError("SGLang is not installed: pip install 'dart-spec[sglang]' (a CUDA machine)")
+        raise UsageError("SGLang is not installed: pip install 'dart-spec[sglang]' (a CUDA machine)")
     os.execv(cmd[0], cmd)

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from dart_cli.errors import UsageError
+from dart_core.errors import DartInputError
 
 
 # ---- distill --------------------------------------------------------------------------------------------------------
@@ -39,20 +40,24 @@ def add_distill(sub) -> None:
 def read_prompts(path: str, field: str) -> list[str]:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"prompts file not found: {path}")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            lines = fh.readlines()
+    except UnicodeDecodeError as err:
+        raise DartInputError(f"{path}: not UTF-8 text ({err})") from None
     prompts = []
-    with open(path, encoding="utf-8") as fh:
-        for number, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{number}: not valid JSON ({err.msg})") from None
-            if not isinstance(record, dict) or not isinstance(record.get(field), str):
-                raise ValueError(f"{path}:{number}: no string field {field!r} (choose one with --field)")
-            prompts.append(record[field])
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise DartInputError(f"{path}:{number}: not valid JSON ({err.msg})") from None
+        if not isinstance(record, dict) or not isinstance(record.get(field), str):
+            raise DartInputError(f"{path}:{number}: no string field {field!r} (choose one with --field)")
+        prompts.append(record[field])
     if not prompts:
-        raise ValueError(f"{path}: no prompts")
+        raise DartInputError(f"{path}: no prompts")
     return prompts
 
 
@@ -258,7 +263,7 @@ def _run_ngram_build(args: argparse.Namespace) -> int:
             vocab_size = int(model.get_input_embeddings().weight.shape[0]) if model is not None else len(tokenizer)
         sequences.extend(text_sequences(tokenizer, args.text))
     if not any(len(s) for s in sequences):
-        raise ValueError("no tokens in the given data")
+        raise DartInputError("no tokens in the given data")
     ngram = NGramModel.build(sequences, order=args.order, vocab_size=vocab_size, progress=sys.stderr.isatty())
     ngram.save(out)
     tokens = sum(len(s) for s in sequences)

@@ -5,6 +5,7 @@ Pure torch/numpy; no transformers or sglang imports.
 
 from dart_core.config import DartConfig, TreeConfig, default_target_layer_ids
 from dart_core.eagle3 import Eagle3Head
+from dart_core.errors import DartInputError
 from dart_core.head import DartHead, DartHeadCache
 from dart_core.ngram import NGramModel
 from dart_core.tree import DraftTree, DraftTreeBatch, build_draft_tree, build_draft_trees, topk_draft_tokens
@@ -14,6 +15,7 @@ __all__ = [
     "DartConfig",
     "DartHead",
     "DartHeadCache",
+    "DartInputError",
     "DraftTree",
     "DraftTreeBatch",
     "Eagle3Head",

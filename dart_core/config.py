@@ -7,6 +7,8 @@ import math
 import os
 from typing import Any, Optional
 
+from dart_core.errors import DartInputError
+
 CONFIG_NAME = "config.json"
 
 # RoPE variants the head implements; anything else is refused when the config is read.
@@ -22,26 +24,26 @@ MAX_BEAM_WIDTH = 1024
 
 
 def check_int(owner: str, name: str, value: Any, minimum: int = 1, optional: bool = False) -> None:
-    """ValueError unless `value` is an int (not a bool) >= minimum (or None when `optional`)."""
+    """DartInputError unless `value` is an int (not a bool) >= minimum (or None when `optional`)."""
     if optional and value is None:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-        raise ValueError(f"{owner}.{name} must be {kind}{' or None' if optional else ''}, got {value!r}")
+        raise DartInputError(f"{owner}.{name} must be {kind}{' or None' if optional else ''}, got {value!r}")
 
 
 def check_float(owner: str, name: str, value: Any, minimum: float = 0.0, strict: bool = False) -> None:
-    """ValueError unless `value` is a finite real number (not a bool) >= minimum (> minimum when `strict`)."""
+    """DartInputError unless `value` is a finite real number (not a bool) >= minimum (> minimum when `strict`)."""
     if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
             or value < minimum or (strict and value == minimum)):
-        raise ValueError(f"{owner}.{name} must be a finite number {'>' if strict else '>='} {minimum}, "
-                         f"got {value!r}")
+        raise DartInputError(f"{owner}.{name} must be a finite number {'>' if strict else '>='} {minimum}, "
+                             f"got {value!r}")
 
 
 def default_target_layer_ids(num_target_layers: int) -> list[int]:
     """The reference taps: the inputs of decoder layers 2, L//2 and L-3 of an L-layer target."""
     if num_target_layers < 4:
-        raise ValueError(
+        raise DartInputError(
             f"DART taps layers 2, L//2 and L-3 of the target; a target with {num_target_layers} layers is too "
             "shallow (need at least 4)"
         )
@@ -79,7 +81,7 @@ class DartConfig:
             check_int("DartConfig", name, getattr(self, name))
         if self.head_dim is None:
             if self.hidden_size % self.num_attention_heads:
-                raise ValueError(
+                raise DartInputError(
                     f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
                     f"{self.num_attention_heads}; set head_dim explicitly"
                 )
@@ -94,34 +96,35 @@ class DartConfig:
         check_float("DartConfig", "rms_norm_eps", self.rms_norm_eps, strict=True)
         check_float("DartConfig", "rope_theta", self.rope_theta, strict=True)
         if self.vocab_size >= 2**31:
-            raise ValueError(f"DartConfig.vocab_size {self.vocab_size} does not fit token ids in int32")
+            raise DartInputError(f"DartConfig.vocab_size {self.vocab_size} does not fit token ids in int32")
         if self.estimated_parameters() > MAX_HEAD_PARAMETERS:
-            raise ValueError(f"DartConfig describes a head of about {self.estimated_parameters():.3g} parameters "
-                             f"(vocab_size {self.vocab_size}, hidden_size {self.hidden_size}, intermediate_size "
-                             f"{self.intermediate_size}); more than {MAX_HEAD_PARAMETERS:.3g} is refused")
+            raise DartInputError(f"DartConfig describes a head of about {self.estimated_parameters():.3g} parameters "
+                                 f"(vocab_size {self.vocab_size}, hidden_size {self.hidden_size}, intermediate_size "
+                                 f"{self.intermediate_size}); more than {MAX_HEAD_PARAMETERS:.3g} is refused")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
+            raise DartInputError(
                 f"num_attention_heads {self.num_attention_heads} must be a multiple of num_key_value_heads "
                 f"{self.num_key_value_heads}"
             )
         if self.head_dim % 2:
-            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+            raise DartInputError(f"head_dim must be even for RoPE, got {self.head_dim}")
         if self.draft_vocab_size > self.vocab_size:
-            raise ValueError(
+            raise DartInputError(
                 f"draft_vocab_size {self.draft_vocab_size} exceeds the target vocab_size {self.vocab_size}"
             )
         if self.hidden_act != "silu":
-            raise ValueError(f"only hidden_act='silu' is supported, got {self.hidden_act!r}")
+            raise DartInputError(f"only hidden_act='silu' is supported, got {self.hidden_act!r}")
         rope_type = self.rope_type
         if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(f"rope_scaling type {rope_type!r} is not supported (supported: {SUPPORTED_ROPE_TYPES})")
+            raise DartInputError(f"rope_scaling type {rope_type!r} is not supported "
+                                 f"(supported: {SUPPORTED_ROPE_TYPES})")
         if self.target_layer_ids is None and self.num_target_layers is not None:
             self.target_layer_ids = default_target_layer_ids(self.num_target_layers)
         if self.target_layer_ids is not None:
             ids = self.target_layer_ids
             if (not isinstance(ids, (list, tuple)) or len(ids) != 3
                     or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids)):
-                raise ValueError(f"target_layer_ids must name 3 layers (integers >= 0), got {ids!r}")
+                raise DartInputError(f"target_layer_ids must name 3 layers (integers >= 0), got {ids!r}")
             self.target_layer_ids = list(ids)
 
     def estimated_parameters(self) -> int:
@@ -142,7 +145,7 @@ class DartConfig:
         ids = self.target_layer_ids or default_target_layer_ids(num_target_layers)
         bad = [i for i in ids if not 0 <= i <= num_target_layers]
         if bad:
-            raise ValueError(
+            raise DartInputError(
                 f"head taps hidden states {ids} but the target has only {num_target_layers} layers "
                 f"(valid indices 0..{num_target_layers})"
             )
@@ -165,7 +168,7 @@ class DartConfig:
         missing = [k for k in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size",
                                "draft_length") if k not in raw]
         if missing:
-            raise ValueError(f"DART config is missing required field(s): {', '.join(missing)}")
+            raise DartInputError(f"DART config is missing required field(s): {', '.join(missing)}")
         known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         kwargs = {k: raw.pop(k) for k in list(raw) if k in known}
         kwargs.setdefault("num_key_value_heads", kwargs["num_attention_heads"])
@@ -212,8 +215,8 @@ class TreeConfig:
         for name, most in (("topk", MAX_TOPK), ("beam_width", MAX_BEAM_WIDTH), ("remain_total", MAX_TREE_NODES)):
             check_int("TreeConfig", name, getattr(self, name))
             if getattr(self, name) > most:
-                raise ValueError(f"TreeConfig.{name} {getattr(self, name)} is above the supported {most} (a tree "
-                                 "of that size costs far more to verify than it can save)")
+                raise DartInputError(f"TreeConfig.{name} {getattr(self, name)} is above the supported {most} (a tree "
+                                     "of that size costs far more to verify than it can save)")
         check_int("TreeConfig", "max_depth", self.max_depth, optional=True)
         check_int("TreeConfig", "eos_token_id", self.eos_token_id, minimum=0, optional=True)
         check_float("TreeConfig", "ngram_weight", self.ngram_weight)
@@ -231,7 +234,7 @@ class TreeConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(raw) - known)
         if unknown:
-            raise ValueError(f"unknown tree setting(s): {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+            raise DartInputError(f"unknown tree setting(s): {', '.join(unknown)} (known: {', '.join(sorted(known))})")
         return cls(**raw)
 
     def to_dict(self) -> dict[str, Any]:

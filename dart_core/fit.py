@@ -7,6 +7,7 @@ import dataclasses
 import torch
 
 from dart_core.config import DartConfig
+from dart_core.errors import DartInputError
 from dart_core.head import OPTIONAL_KEYS, draft_vocab_problem
 
 
@@ -51,5 +52,5 @@ def check_fits(config: DartConfig, d2t: torch.Tensor, target: TargetShape, has_e
     """The taps (HF hidden_states indices) of the head on `target`; ValueError naming every mismatch otherwise."""
     problems = fit_problems(config, d2t, target, has_embedding)
     if problems:
-        raise ValueError(f"head does not fit {target.name}: " + "; ".join(problems))
+        raise DartInputError(f"head does not fit {target.name}: " + "; ".join(problems))
     return config.layer_ids_for(target.num_hidden_layers)

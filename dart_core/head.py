@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dart_core.config import CONFIG_NAME, DartConfig, TreeConfig
+from dart_core.errors import DartInputError
 from dart_core.io import atomic_write, is_inside, load_safetensors_checked, save_safetensors_atomic
 from dart_core.tree import DraftTree, build_draft_tree, topk_draft_tokens
 
@@ -397,9 +398,9 @@ class DartHead(nn.Module):
         own = head.state_dict()
         for key, tensor in state.items():
             if key in own and tensor.is_floating_point() != own[key].is_floating_point():
-                raise ValueError(f"{weights_file}: {key} is {tensor.dtype}, expected "
-                                 f"{'a floating-point' if own[key].is_floating_point() else 'an integer'} tensor "
-                                 f"like {own[key].dtype}")
+                raise DartInputError(f"{weights_file}: {key} is {tensor.dtype}, expected "
+                                     f"{'a floating-point' if own[key].is_floating_point() else 'an integer'} tensor "
+                                     f"like {own[key].dtype}")
         embed = state.pop("embed_tokens.weight", None)
         head.load_state_dict(state, strict=True)
         check_draft_vocab(head.d2t, config.vocab_size, source=weights_file)
@@ -442,14 +443,14 @@ class DartHead(nn.Module):
 
 
 def file_inside(directory: str, name: Any, key: str) -> str:
-    """The path of `name` (a config value) inside `directory`; ValueError if it is not a plain relative name that
-    stays inside (a head directory never makes the project open files elsewhere)."""
+    """The path of `name` (a config value) inside `directory`; DartInputError if it is not a plain relative name
+    that stays inside (a head directory never makes the project open files elsewhere)."""
     if not isinstance(name, str) or not name:
-        raise ValueError(f"{directory}/config.json: {key} must be a file name, got {name!r}")
+        raise DartInputError(f"{directory}/config.json: {key} must be a file name, got {name!r}")
     full = os.path.realpath(os.path.join(directory, name))
     if os.path.isabs(name) or not is_inside(full, directory):
-        raise ValueError(f"{directory}/config.json: {key} {name!r} points outside the head directory; only files "
-                         "inside it are read")
+        raise DartInputError(f"{directory}/config.json: {key} {name!r} points outside the head directory; only files "
+                             "inside it are read")
     return full
 
 
@@ -458,11 +459,11 @@ def _check_architecture(cls: type, config: DartConfig, path: str) -> None:
     saved = config.extra.get("architectures") or []
     eagle3 = EAGLE3_ARCHITECTURE
     if cls.ARCHITECTURE == eagle3 and eagle3 not in saved:
-        raise ValueError(f"{path} is not an EAGLE3-style drafter (architectures {saved}); load a DART head with "
-                         f"dart_core.DartHead.from_pretrained")
+        raise DartInputError(f"{path} is not an EAGLE3-style drafter (architectures {saved}); load a DART head with "
+                             f"dart_core.DartHead.from_pretrained")
     if cls.ARCHITECTURE != eagle3 and eagle3 in saved:
-        raise ValueError(f"{path} holds an EAGLE3-style drafter, not a DART head: load it with "
-                         f"dart_core.eagle3.Eagle3Head.from_pretrained")
+        raise DartInputError(f"{path} holds an EAGLE3-style drafter, not a DART head: load it with "
+                             f"dart_core.eagle3.Eagle3Head.from_pretrained")
 
 
 def row_positions(past: torch.Tensor, lengths: torch.Tensor, t: int, d: int) -> torch.Tensor:
@@ -518,10 +519,10 @@ def draft_vocab_problem(d2t: torch.Tensor, vocab_size: int) -> Optional[str]:
 
 
 def check_draft_vocab(d2t: torch.Tensor, vocab_size: int, source: str = "head") -> None:
-    """ValueError (naming `source`) unless every draft id maps into the target vocab."""
+    """DartInputError (naming `source`) unless every draft id maps into the target vocab."""
     problem = draft_vocab_problem(d2t, vocab_size)
     if problem:
-        raise ValueError(f"{source}: {problem}")
+        raise DartInputError(f"{source}: {problem}")
 
 
 def training_positions(anchors: torch.Tensor, num_real: int, draft_length: int) -> torch.Tensor:

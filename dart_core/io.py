@@ -16,22 +16,24 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from dart_core.errors import DartInputError
+
 
 # the floating dtypes a head is stored in, by the names the command line and configs use
 WEIGHT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def read_json_object(file: str) -> dict:
-    """A JSON object from `file`; FileNotFoundError / ValueError name the file and the problem."""
+    """A JSON object from `file`; FileNotFoundError / DartInputError name the file and the problem."""
     if not os.path.isfile(file):
         raise FileNotFoundError(f"no {os.path.basename(file)} at {file}")
     try:
         with open(file, encoding="utf-8") as fh:
             raw = json.load(fh)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{file} is not valid JSON: {err}") from err
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise DartInputError(f"{file} is not valid JSON: {err}") from err
     if not isinstance(raw, dict):
-        raise ValueError(f"{file} does not hold a JSON object")
+        raise DartInputError(f"{file} does not hold a JSON object")
     return raw
 
 
@@ -100,7 +102,7 @@ def write_safetensors_arrays(arrays: Mapping[str, np.ndarray], path: str,
     for name, a in ordered:
         kind = _SAFETENSORS_DTYPE_NAMES.get(a.dtype.name)
         if kind is None or a.dtype.byteorder == ">":
-            raise ValueError(f"cannot store array {name!r} of dtype {a.dtype} in safetensors")
+            raise DartInputError(f"cannot store array {name!r} of dtype {a.dtype} in safetensors")
         header[name] = {"dtype": kind, "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
         offset += a.nbytes
     if metadata:
@@ -126,18 +128,18 @@ def load_safetensors_checked(path: str, expected: Mapping[str, tuple[int, ...]],
     try:
         state = load_file(path)
     except (SafetensorError, OSError, ValueError) as err:
-        raise ValueError(f"{path}: not a readable safetensors file ({err})") from err
+        raise DartInputError(f"{path}: not a readable safetensors file ({err})") from err
     missing = [k for k in expected if k not in state]
     if missing:
         k = missing[0]
-        raise ValueError(f"{path}: missing key {k!r} (expected shape {list(expected[k])})"
-                         + (f" and {len(missing) - 1} more: {missing[1:6]}" if len(missing) > 1 else ""))
+        raise DartInputError(f"{path}: missing key {k!r} (expected shape {list(expected[k])})"
+                             + (f" and {len(missing) - 1} more: {missing[1:6]}" if len(missing) > 1 else ""))
     unknown = [k for k in state if k not in expected and k not in optional]
     if unknown:
-        raise ValueError(f"{path}: unknown key(s) {unknown[:6]}; a DART head holds {sorted(expected)[:6]}...")
+        raise DartInputError(f"{path}: unknown key(s) {unknown[:6]}; a DART head holds {sorted(expected)[:6]}...")
     for k, shape in expected.items():
         if tuple(state[k].shape) != tuple(shape):
-            raise ValueError(f"{path}: key {k!r} has shape {list(state[k].shape)}, expected {list(shape)}")
+            raise DartInputError(f"{path}: key {k!r} has shape {list(state[k].shape)}, expected {list(shape)}")
     return state
 
 
@@ -157,7 +159,7 @@ def check_destination(dst: str, force: bool, sources: Iterable[str] = ()) -> str
     dst = os.path.abspath(os.fspath(dst))
     for src in sources:
         if src is not None and os.path.exists(src) and _same_or_inside(dst, os.fspath(src)):
-            raise ValueError(f"destination {dst} is or overlaps the source {src}; choose another destination")
+            raise DartInputError(f"destination {dst} is or overlaps the source {src}; choose another destination")
     if os.path.lexists(dst) and not force:
         raise FileExistsError(f"destination {dst} already exists; use --force (force=True) to replace it")
     return dst
@@ -167,11 +169,11 @@ def check_output_file(dst: str, force: bool, sources: Iterable[str] = ()) -> str
     """`check_destination` for a single output file; its directory is created when missing."""
     dst = check_destination(dst, force, sources)
     if os.path.isdir(dst):
-        raise ValueError(f"destination {dst} is a directory; give a file name (e.g. {dst}/ngram.safetensors)")
+        raise DartInputError(f"destination {dst} is a directory; give a file name (e.g. {dst}/ngram.safetensors)")
     parent = os.path.dirname(dst)
     blocker = next((p for p in _ancestors(parent) if os.path.lexists(p) and not os.path.isdir(p)), None)
     if blocker is not None:
-        raise ValueError(f"cannot write {dst}: {blocker} is not a directory")
+        raise DartInputError(f"cannot write {dst}: {blocker} is not a directory")
     os.makedirs(parent, exist_ok=True)
     return dst
 

@@ -23,6 +23,7 @@ from typing import Iterable, Optional, Sequence, Union
 import numpy as np
 import torch
 
+from dart_core.errors import DartInputError
 from dart_core.io import write_safetensors_arrays
 
 FORMAT_NAME = "dart-ngram"
@@ -53,11 +54,11 @@ def pack_ngrams(tokens, base: int):
 
 def _check_key_space(vocab_bound: int, order: int) -> None:
     if isinstance(order, bool) or not isinstance(order, (int, np.integer)) or order < 1:
-        raise ValueError(f"n-gram order must be an integer >= 1, got {order!r}")
+        raise DartInputError(f"n-gram order must be an integer >= 1, got {order!r}")
     if isinstance(vocab_bound, bool) or not isinstance(vocab_bound, (int, np.integer)) or vocab_bound < 0:
-        raise ValueError(f"vocab size must be an integer >= 0, got {vocab_bound!r}")
+        raise DartInputError(f"vocab size must be an integer >= 0, got {vocab_bound!r}")
     if (int(vocab_bound) + 1) ** int(order) > _INT64_MAX:
-        raise ValueError(
+        raise DartInputError(
             f"vocab size {vocab_bound} with n-gram order {order} does not fit the int64 key space: "
             f"(vocab size + 1) ** order = {(int(vocab_bound) + 1) ** int(order)} > 2**63 - 1; "
             "use a smaller order or vocabulary"
@@ -70,18 +71,18 @@ def _as_int_sequence(seq, index: int) -> np.ndarray:
         if seq.dtype == torch.bool or seq.is_floating_point() or seq.is_complex():
             if seq.numel() == 0:
                 return np.zeros(0, dtype=np.int64)
-            raise ValueError(f"sequence {index}: token ids must be integers, got dtype {seq.dtype}")
+            raise DartInputError(f"sequence {index}: token ids must be integers, got dtype {seq.dtype}")
         arr = seq.detach().cpu().numpy()
     else:
         arr = np.asarray(seq)
     if arr.ndim != 1:
-        raise ValueError(f"sequence {index}: expected a 1-D token sequence, got shape {list(arr.shape)}")
+        raise DartInputError(f"sequence {index}: expected a 1-D token sequence, got shape {list(arr.shape)}")
     if arr.size == 0:
         return np.zeros(0, dtype=np.int64)
     if arr.dtype.kind not in "iu":
-        raise ValueError(f"sequence {index}: token ids must be integers, got dtype {arr.dtype}")
+        raise DartInputError(f"sequence {index}: token ids must be integers, got dtype {arr.dtype}")
     if arr.dtype == np.uint64 and int(arr.max()) > _INT64_MAX:
-        raise ValueError(f"sequence {index}: token id {int(arr.max())} does not fit int64")
+        raise DartInputError(f"sequence {index}: token id {int(arr.max())} does not fit int64")
     return arr.astype(np.int64, copy=False)
 
 
@@ -145,10 +146,10 @@ class NGramModel:
         from tqdm.auto import tqdm
 
         if isinstance(order, bool) or not isinstance(order, (int, np.integer)) or order < 1:
-            raise ValueError(f"n-gram order must be an integer >= 1, got {order!r}")
+            raise DartInputError(f"n-gram order must be an integer >= 1, got {order!r}")
         if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, (int, np.integer))
                                        or vocab_size < 1):
-            raise ValueError(f"vocab_size must be a positive integer or None, got {vocab_size!r}")
+            raise DartInputError(f"vocab_size must be a positive integer or None, got {vocab_size!r}")
         if vocab_size is not None:
             _check_key_space(int(vocab_size), order)
         order = int(order)
@@ -164,7 +165,7 @@ class NGramModel:
         tokens = np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)  # [T]
         del arrays
         if total > _INT32_MAX:
-            raise ValueError(f"{total} tokens overflow the int32 counts of NGramModel (max {_INT32_MAX})")
+            raise DartInputError(f"{total} tokens overflow the int32 counts of NGramModel (max {_INT32_MAX})")
 
         def locate(pos: int) -> str:
             s = int(np.searchsorted(np.cumsum(lengths), pos, side="right"))
@@ -173,9 +174,9 @@ class NGramModel:
         if total:
             lo, hi = int(tokens.min()), int(tokens.max())
             if lo < 0:
-                raise ValueError(f"negative token id {lo} in {locate(int(np.argmin(tokens)))}")
+                raise DartInputError(f"negative token id {lo} in {locate(int(np.argmin(tokens)))}")
             if vocab_size is not None and hi >= vocab_size:
-                raise ValueError(f"token id {hi} >= vocab_size {vocab_size} in {locate(int(np.argmax(tokens)))}")
+                raise DartInputError(f"token id {hi} >= vocab_size {vocab_size} in {locate(int(np.argmax(tokens)))}")
             vocab_bound = int(vocab_size) if vocab_size is not None else hi + 1
         else:
             vocab_bound = int(vocab_size) if vocab_size is not None else 0
@@ -212,21 +213,22 @@ class NGramModel:
         k = torch.as_tensor(keys)
         c = torch.as_tensor(counts)
         if k.dim() != 1 or c.dim() != 1 or k.shape != c.shape:
-            raise ValueError(f"keys and counts must be 1-D of equal length, got {list(k.shape)} and {list(c.shape)}")
+            raise DartInputError(f"keys and counts must be 1-D of equal length, got {list(k.shape)} and "
+                                 f"{list(c.shape)}")
         for name, t in (("keys", k), ("counts", c)):
             if t.numel() and (t.dtype == torch.bool or t.is_floating_point() or t.is_complex()):
-                raise ValueError(f"{name} must be integers, got {t.dtype}")
+                raise DartInputError(f"{name} must be integers, got {t.dtype}")
         k = k.to(torch.int64)
         if k.numel():
             if not bool((k[1:] > k[:-1]).all()):
-                raise ValueError("keys must be sorted strictly increasing (sorted and unique)")
+                raise DartInputError("keys must be sorted strictly increasing (sorted and unique)")
             limit = (vocab_bound + 1) ** order
             if int(k[0]) < 0 or int(k[-1]) >= limit:
-                raise ValueError(f"keys must lie in [0, (vocab_bound + 1) ** order) = [0, {limit})")
+                raise DartInputError(f"keys must lie in [0, (vocab_bound + 1) ** order) = [0, {limit})")
             if int(c.min()) < 0:
-                raise ValueError("counts must be >= 0")
+                raise DartInputError("counts must be >= 0")
             if int(c.max()) > _INT32_MAX:
-                raise ValueError(f"count {int(c.max())} overflows int32")
+                raise DartInputError(f"count {int(c.max())} overflows int32")
         return cls(k.contiguous(), c.to(torch.int32).contiguous(), order, vocab_bound)
 
     # ------------------------------------------------------------------ persistence
@@ -243,8 +245,8 @@ class NGramModel:
         """Read a file written by `save`; on CPU the arrays stay memory-mapped (no copy)."""
         path = os.fspath(path)
 
-        def bad(what: str) -> ValueError:
-            return ValueError(f"{path}: not a valid n-gram file: {what}")
+        def bad(what: str) -> DartInputError:
+            return DartInputError(f"{path}: not a valid n-gram file: {what}")
 
         size = os.path.getsize(path)
         if size < 8:

@@ -22,6 +22,7 @@ import torch
 
 from dart_core import DartConfig, DartHead, NGramModel, TreeConfig
 from dart_core.config import CONFIG_NAME
+from dart_core.errors import DartInputError
 from dart_core.fit import check_fits
 from dart_core.head import NGRAM_FILE_KEY, NGRAM_NAME, WEIGHTS_NAME, file_inside
 from dart_core.io import save_safetensors_atomic, staged_directory
@@ -57,16 +58,16 @@ def read_sglang_dir(path: PathLike) -> tuple[DartConfig, TreeConfig, Optional[st
     config = DartConfig.from_pretrained(path)  # checks the head's shape fields (draft_length, vocab sizes, ...)
     architectures = config.extra.get("architectures") or []
     if SGLANG_ARCHITECTURE not in architectures:
-        raise ValueError(f"{file}: architectures {architectures} is not [{SGLANG_ARCHITECTURE!r}]; "
-                         "convert the head first: dart-spec convert sglang HEAD_DIR OUT_DIR --target TARGET_DIR")
+        raise DartInputError(f"{file}: architectures {architectures} is not [{SGLANG_ARCHITECTURE!r}]; "
+                             "convert the head first: dart-spec convert sglang HEAD_DIR OUT_DIR --target TARGET_DIR")
     block, ngram_file = split_block(config.extra)
     if block is None:
-        raise ValueError(f"{file} has no {CONFIG_BLOCK!r} block (tree settings); convert the head with "
-                         "dart-spec convert sglang")
+        raise DartInputError(f"{file} has no {CONFIG_BLOCK!r} block (tree settings); convert the head with "
+                             "dart-spec convert sglang")
     tree = TreeConfig.from_dict(block)
     if config.draft_vocab_size < tree.topk:
-        raise ValueError(f"{file}: the tree takes topk={tree.topk} candidates per level but the draft vocabulary "
-                         f"has {config.draft_vocab_size} tokens; lower {CONFIG_BLOCK}.topk")
+        raise DartInputError(f"{file}: the tree takes topk={tree.topk} candidates per level but the draft vocabulary "
+                             f"has {config.draft_vocab_size} tokens; lower {CONFIG_BLOCK}.topk")
     ngram_path = None
     if ngram_file is not None:
         ngram_path = file_inside(path, ngram_file, f"{CONFIG_BLOCK}.{NGRAM_KEY}")
@@ -85,12 +86,12 @@ def sglang_config(config: DartConfig, taps: list[int], tree: TreeConfig, has_ngr
     """
     bad = [t for t in taps if t < 1]
     if bad:
-        raise ValueError(f"taps {taps} include hidden_states index 0 (the embedding output), which SGLang's "
-                         "EAGLE3 capture (explicit id i -> hidden_states[i + 1]) cannot express")
+        raise DartInputError(f"taps {taps} include hidden_states index 0 (the embedding output), which SGLang's "
+                             "EAGLE3 capture (explicit id i -> hidden_states[i + 1]) cannot express")
     if len(set(taps)) != len(taps):
-        raise ValueError(f"taps {taps} repeat a layer; SGLang captures each layer once, so the head would get fewer "
-                         "hidden states than it was trained on (targets with fewer than 8 layers give repeated "
-                         "default taps)")
+        raise DartInputError(f"taps {taps} repeat a layer; SGLang captures each layer once, so the head would get "
+                             "fewer hidden states than it was trained on (targets with fewer than 8 layers give "
+                             "repeated default taps)")
     out = {k: v for k, v in config.to_dict().items() if k not in LAYOUT_KEYS + (CONFIG_BLOCK, "dtype")}
     out.update({
         "architectures": [SGLANG_ARCHITECTURE],
@@ -128,20 +129,20 @@ def convert_sglang(src: PathLike, dst: PathLike, target: Optional[PathLike] = No
     tgt = read_target_config(target) if target is not None else None
     if tgt is not None:
         if num_target_layers is not None and num_target_layers != tgt["num_hidden_layers"]:
-            raise ValueError(f"--num-target-layers {num_target_layers} disagrees with the target's num_hidden_layers "
-                             f"{tgt['num_hidden_layers']}")
+            raise DartInputError(f"--num-target-layers {num_target_layers} disagrees with the target's "
+                                 f"num_hidden_layers {tgt['num_hidden_layers']}")
         taps = check_fits(config, head.d2t, target_shape(tgt), has_embedding=embed is not None)
         config.num_target_layers = tgt["num_hidden_layers"]
     elif num_target_layers is not None:
         if isinstance(num_target_layers, bool) or not isinstance(num_target_layers, int) or num_target_layers < 1:
-            raise ValueError(f"num_target_layers must be a positive integer, got {num_target_layers!r}")
+            raise DartInputError(f"num_target_layers must be a positive integer, got {num_target_layers!r}")
         taps = config.layer_ids_for(num_target_layers)
         config.num_target_layers = num_target_layers
     elif config.target_layer_ids is not None:
         taps = list(config.target_layer_ids)
     else:
-        raise ValueError(f"{src} records no target layers (taps); pass --target TARGET_DIR or --num-target-layers L "
-                         "so the default taps [2, L//2, L-3] can be computed")
+        raise DartInputError(f"{src} records no target layers (taps); pass --target TARGET_DIR or "
+                             "--num-target-layers L so the default taps [2, L//2, L-3] can be computed")
 
     eos, note = pick_eos(tgt, eos_token_id)
     tree = tree_with_eos(head.tree_config, eos, explicit=eos_token_id is not None,
@@ -164,9 +165,9 @@ def convert_sglang(src: PathLike, dst: PathLike, target: Optional[PathLike] = No
         write_json(out, os.path.join(tmp, CONFIG_NAME))
         try:  # what `dart-spec serve` checks at start, now: never write a head the server refuses
             read_sglang_dir(tmp)
-        except ValueError as err:
-            raise ValueError(f"the converted head would be refused by dart-spec serve: "
-                             f"{str(err).replace(tmp, os.fspath(dst))}") from None
+        except DartInputError as err:
+            raise DartInputError(f"the converted head would be refused by dart-spec serve: "
+                                 f"{str(err).replace(tmp, os.fspath(dst))}") from None
     summary.update(dst=os.path.abspath(os.fspath(dst)), config=out)
     return summary
 
@@ -198,8 +199,8 @@ def _ngram_source(src: str, config: DartConfig, ngram: Optional[PathLike],
 
 def _check_ngram_vocab(model: NGramModel, config: DartConfig, path: str) -> None:
     if model.vocab_bound > config.vocab_size:
-        raise ValueError(f"{path}: n-gram token ids reach {model.vocab_bound - 1}, outside the head's vocab "
-                         f"0..{config.vocab_size - 1}")
+        raise DartInputError(f"{path}: n-gram token ids reach {model.vocab_bound - 1}, outside the head's vocab "
+                             f"0..{config.vocab_size - 1}")
 
 
 __all__ = ["CONFIG_BLOCK", "NGRAM_KEY", "SGLANG_ARCHITECTURE", "convert_sglang", "read_sglang_dir", "sglang_config",

@@ -10,6 +10,8 @@ from sglang.srt.arg_groups.model_override_base import resolving_view
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang.srt.speculative.spec_registry import CustomSpecAlgo
 
+from dart_core.errors import DartInputError
+
 from .head_format import CONFIG_BLOCK
 from .settings import DartServeSettings
 
@@ -54,8 +56,8 @@ def resolve_server_args(server_args) -> DartServeSettings:
 
     cfg = resolving_view(server_args)
     if not cfg.speculative_draft_model_path:
-        raise ValueError("--speculative-algorithm DART needs --speculative-draft-model-path HEAD_DIR (a head converted "
-                         "with `dart-spec convert sglang`)")
+        raise DartInputError("--speculative-algorithm DART needs --speculative-draft-model-path HEAD_DIR (a head "
+                             "converted with `dart-spec convert sglang`)")
     settings = DartServeSettings.from_draft_dir(cfg.speculative_draft_model_path)
     if os.path.isdir(cfg.model_path):  # a hub id is resolved later by SGLang; a local target is checked now
         check_fits_target(cfg.speculative_draft_model_path, cfg.model_path)
@@ -76,14 +78,14 @@ def resolve_server_args(server_args) -> DartServeSettings:
     }
     bad = [flag for flag, on in unsupported.items() if on]
     if bad:
-        raise ValueError(f"--speculative-algorithm DART does not support {', '.join(bad)}")
+        raise DartInputError(f"--speculative-algorithm DART does not support {', '.join(bad)}")
     wanted = settings.server_args()
     given = {k: getattr(cfg, k) for k in wanted if getattr(cfg, k) is not None}
     clash = {k: (v, wanted[k]) for k, v in given.items() if v != wanted[k]}
     if clash:
         detail = "; ".join(f"--{k.replace('_', '-')} {v} but the head's trees need {w}" for k, (v, w) in clash.items())
-        raise ValueError(f"DART sizes its trees from {cfg.speculative_draft_model_path}/config.json ({CONFIG_BLOCK}): "
-                         f"{detail}. Leave these flags out.")
+        raise DartInputError(f"DART sizes its trees from {cfg.speculative_draft_model_path}/config.json "
+                             f"({CONFIG_BLOCK}): {detail}. Leave these flags out.")
     declare_resolution(server_args, "dart_sglang", **wanted)
     _handle_eagle_family(server_args)
     return settings

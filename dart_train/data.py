@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from dart_core.errors import DartInputError
 from dart_core.io import atomic_write
 
 SHARD_FORMAT = "shard-{:05d}.npz"
@@ -50,25 +51,25 @@ def read_shard(file: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     file for anything that is not a well-formed shard (unreadable, truncated, wrong arrays, offsets that decrease or
     leave the token array, prompt lengths outside their sequence, negative token ids)."""
     if not file.is_file():
-        raise ValueError(f"{file}: not a file")
+        raise DartInputError(f"{file}: not a file")
     try:
         with np.load(file, allow_pickle=False) as data:
             tokens, offsets, prompts = data["tokens"], data["offsets"], data["prompt_lengths"]
     except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile, zlib.error) as err:
-        raise ValueError(f"{file}: not a readable data shard ({type(err).__name__}: {err})") from None
+        raise DartInputError(f"{file}: not a readable data shard ({type(err).__name__}: {err})") from None
     for name, array in (("tokens", tokens), ("offsets", offsets), ("prompt_lengths", prompts)):
         if array.ndim != 1 or array.dtype.kind not in "iu":
-            raise ValueError(f"{file}: {name} must be a 1-D integer array, got {array.dtype} {list(array.shape)}")
+            raise DartInputError(f"{file}: {name} must be a 1-D integer array, got {array.dtype} {list(array.shape)}")
     if len(offsets) != len(prompts) + 1 or len(offsets) == 0 or offsets[0] != 0 or offsets[-1] != len(tokens):
-        raise ValueError(f"{file}: offsets/prompt_lengths do not match the token array (corrupt shard)")
+        raise DartInputError(f"{file}: offsets/prompt_lengths do not match the token array (corrupt shard)")
     lengths = np.diff(offsets)
     if (lengths < 0).any():
-        raise ValueError(f"{file}: offsets decrease at sequence {int(np.argmax(lengths < 0))} (corrupt shard)")
+        raise DartInputError(f"{file}: offsets decrease at sequence {int(np.argmax(lengths < 0))} (corrupt shard)")
     if ((prompts < 0) | (prompts > lengths)).any():
-        raise ValueError(f"{file}: prompt length outside its sequence at sequence "
-                         f"{int(np.argmax((prompts < 0) | (prompts > lengths)))} (corrupt shard)")
+        raise DartInputError(f"{file}: prompt length outside its sequence at sequence "
+                             f"{int(np.argmax((prompts < 0) | (prompts > lengths)))} (corrupt shard)")
     if tokens.size and int(tokens.min()) < 0:
-        raise ValueError(f"{file}: negative token id {int(tokens.min())} (corrupt shard)")
+        raise DartInputError(f"{file}: negative token id {int(tokens.min())} (corrupt shard)")
     return tokens, offsets.astype(np.int64), prompts
 
 
@@ -129,15 +130,15 @@ def check_distill_manifest(out: Path, prompts: Sequence[str], batch_size: int, m
         try:
             saved = json.loads(file.read_text(encoding="utf-8"))
         except (OSError, ValueError) as err:
-            raise ValueError(f"{file}: unreadable ({err}); remove it only if the shards beside it are disposable")
+            raise DartInputError(f"{file}: unreadable ({err}); remove it only if the shards beside it are disposable")
         if saved != manifest:
             changed = [k for k in manifest if saved.get(k) != manifest[k]]
-            raise ValueError(f"{out} holds shards of another distillation (different {', '.join(changed)}); "
-                             "write into a new --out directory")
+            raise DartInputError(f"{out} holds shards of another distillation (different {', '.join(changed)}); "
+                                 "write into a new --out directory")
         return
     if any(out.glob("shard-*.npz")):
-        raise ValueError(f"{out} holds data shards that no distillation manifest ({DISTILL_MANIFEST}) describes; "
-                         "write into a new --out directory")
+        raise DartInputError(f"{out} holds data shards that no distillation manifest ({DISTILL_MANIFEST}) describes; "
+                             "write into a new --out directory")
     with atomic_write(str(file), "w") as fh:
         json.dump(manifest, fh, indent=2)
 
@@ -181,7 +182,7 @@ def write_text_shards(tokenizer, files: Sequence[str | os.PathLike], out_dir: st
         raise FileExistsError(f"{out} already holds data shards; write raw-text shards into an empty directory")
     sequences = text_sequences(tokenizer, files)
     if not sequences:
-        raise ValueError(f"no text in {', '.join(map(str, files))}")
+        raise DartInputError(f"no text in {', '.join(map(str, files))}")
     shards = 0
     for index, start in enumerate(range(0, len(sequences), sequences_per_shard)):
         chunk = sequences[start:start + sequences_per_shard]

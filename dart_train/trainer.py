@@ -40,6 +40,7 @@ import torch
 
 from dart_core import DartConfig, DartHead, Eagle3Head, NGramModel
 from dart_core.config import check_float, check_int
+from dart_core.errors import DartInputError
 from dart_core.io import WEIGHT_DTYPES, atomic_write, staged_directory
 from dart_hf.target import first_eos
 from dart_train.data import read_shards
@@ -108,7 +109,7 @@ class TrainConfig:
 
     def validate(self) -> None:
         if not self.data:
-            raise ValueError("no training data: give at least one data directory")
+            raise DartInputError("no training data: give at least one data directory")
         positive = ("draft_length", "draft_vocab_size", "seq_len", "batch_size", "anchors_per_seq", "steps",
                     "eval_every", "checkpoint_every", "log_every", "ngram_order", "max_skipped_steps")
         for name in positive:
@@ -117,22 +118,22 @@ class TrainConfig:
             check_int("TrainConfig", name, getattr(self, name), minimum=0)
         check_int("TrainConfig", "intermediate_size", self.intermediate_size, optional=True)
         if self.seq_len < 3:
-            raise ValueError(f"seq_len must be >= 3 (a prediction needs two tokens of context), got {self.seq_len}")
+            raise DartInputError(f"seq_len must be >= 3 (a prediction needs two tokens of context), got {self.seq_len}")
         for name, lo, hi in (("gamma", 0.0, 1.0), ("heldout_fraction", 0.0, 0.5)):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and lo <= value <= hi):
-                raise ValueError(f"{name} must be in [{lo}, {hi}], got {value!r}")
+                raise DartInputError(f"{name} must be in [{lo}, {hi}], got {value!r}")
         for name in ("lr", "grad_clip"):
             check_float("TrainConfig", name, getattr(self, name), strict=True)
         check_float("TrainConfig", "weight_decay", self.weight_decay)
         if self.mode not in HEAD_CLASSES:
-            raise ValueError(f"mode must be one of {', '.join(HEAD_CLASSES)}, got {self.mode!r}")
+            raise DartInputError(f"mode must be one of {', '.join(HEAD_CLASSES)}, got {self.mode!r}")
         if self.target_dtype is not None and self.target_dtype not in WEIGHT_DTYPES:
-            raise ValueError(f"target_dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {self.target_dtype!r}")
+            raise DartInputError(f"target_dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {self.target_dtype!r}")
         if self.save_dtype not in WEIGHT_DTYPES:
-            raise ValueError(f"save_dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {self.save_dtype!r}")
+            raise DartInputError(f"save_dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {self.save_dtype!r}")
         if self.stop_at is not None and self.stop_at < 1:
-            raise ValueError(f"stop_at must be >= 1, got {self.stop_at!r}")
+            raise DartInputError(f"stop_at must be >= 1, got {self.stop_at!r}")
         if self.time_budget is not None:
             check_float("TrainConfig", "time_budget", self.time_budget, strict=True)
         for d in self.data:
@@ -140,7 +141,7 @@ class TrainConfig:
                 raise FileNotFoundError(f"data directory not found: {d}")
         resolve_device(self.device)
         if self.resume and self.force:
-            raise ValueError("--resume continues the run in --out and --force replaces it: give one")
+            raise DartInputError("--resume continues the run in --out and --force replaces it: give one")
         existing = run_files(Path(self.out))
         if existing and not (self.resume or self.force):
             raise FileExistsError(f"{self.out} already holds a training run ({', '.join(existing)}): --resume "
@@ -179,7 +180,12 @@ def load_target(spec: str, device: str | torch.device = "cpu", dtype: Optional[t
             raise FileNotFoundError(f"target not found: {spec} is not 'smollm2' or a model directory with config.json")
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32, attn_implementation="sdpa")
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32,
+                                                         attn_implementation="sdpa")
+        except ValueError as err:  # transformers' word for a config or weights it cannot use
+            raise DartInputError(f"target {spec}: not a causal LM transformers can load "
+                                 f"({' '.join(str(err).split())[:300]})") from err
         tokenizer = None
         if with_tokenizer:
             from transformers import AutoTokenizer
@@ -202,7 +208,7 @@ def load_sequences(data_dirs: list[str]) -> list[tuple[np.ndarray, int]]:
     for d in data_dirs:
         out.extend((np.asarray(t, dtype=np.int64), int(p)) for t, p in read_shards(d))
     if not out:
-        raise ValueError(f"the data directories {data_dirs} hold no sequences")
+        raise DartInputError(f"the data directories {data_dirs} hold no sequences")
     return out
 
 
@@ -368,16 +374,16 @@ def load_trainer_state(file: Path) -> dict:
     try:
         state = torch.load(file, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:
-        raise ValueError(f"{file}: not a readable trainer state (it holds objects other than tensors and plain "
-                         "data; they are not loaded, since loading them could run code)") from None
+        raise DartInputError(f"{file}: not a readable trainer state (it holds objects other than tensors and plain "
+                             "data; they are not loaded, since loading them could run code)") from None
     except (RuntimeError, EOFError, ValueError, OSError, zipfile.BadZipFile) as err:
-        raise ValueError(f"{file}: not a readable trainer state ({type(err).__name__}: "
-                         f"{str(err).splitlines()[0] if str(err) else 'truncated'}); delete the checkpoint or train "
-                         "without --resume") from None
+        raise DartInputError(f"{file}: not a readable trainer state ({type(err).__name__}: "
+                             f"{str(err).splitlines()[0] if str(err) else 'truncated'}); delete the checkpoint or "
+                             "train without --resume") from None
     need = ("step", "optimizer", "scheduler", "rng", "config")
     if not isinstance(state, dict) or any(k not in state for k in need) or isinstance(state["step"], bool) \
             or not isinstance(state["step"], int) or state["step"] < 0:
-        raise ValueError(f"{file}: not a trainer state of this project (needs {', '.join(need)})")
+        raise DartInputError(f"{file}: not a trainer state of this project (needs {', '.join(need)})")
     return state
 
 
@@ -417,13 +423,13 @@ def resolve_device(spec: str, local_rank: int = 0) -> torch.device:
         return torch.device("cpu")
     if spec == "cuda" or (spec.startswith("cuda:") and spec[5:].isdigit()):
         if not torch.cuda.is_available():
-            raise ValueError(f"--device {spec}: this machine has no CUDA device (torch {torch.__version__}, "
-                             f"CUDA build: {torch.version.cuda or 'no'}); use --device cpu or auto")
+            raise DartInputError(f"--device {spec}: this machine has no CUDA device (torch {torch.__version__}, "
+                                 f"CUDA build: {torch.version.cuda or 'no'}); use --device cpu or auto")
         index = local_rank if spec == "cuda" else int(spec[5:])
         if index >= torch.cuda.device_count():
-            raise ValueError(f"--device {spec}: there are {torch.cuda.device_count()} CUDA device(s)")
+            raise DartInputError(f"--device {spec}: there are {torch.cuda.device_count()} CUDA device(s)")
         return torch.device("cuda", index)
-    raise ValueError(f"--device {spec!r} is not one of auto, cpu, cuda, cuda:N")
+    raise DartInputError(f"--device {spec!r} is not one of auto, cpu, cuda, cuda:N")
 
 
 def init_distributed(device: str) -> tuple[Dist, torch.device]:
@@ -463,7 +469,7 @@ class Trainer:
         self.train_windows = split_windows(self.train_sequences, cfg.seq_len)
         self.heldout_windows = split_windows(self.heldout_sequences, cfg.seq_len)[: cfg.eval_sequences]
         if not self.train_windows:
-            raise ValueError(f"no training sequences with tokens to predict in {cfg.data}")
+            raise DartInputError(f"no training sequences with tokens to predict in {cfg.data}")
         on_cuda = self.device.type == "cuda"
         if model is None:
             dtype = WEIGHT_DTYPES[cfg.target_dtype] if cfg.target_dtype else (torch.bfloat16 if on_cuda else None)
@@ -486,8 +492,8 @@ class Trainer:
             saved = resume_state.get("config", {})
             diff = [k for k in RESUME_FIXED if k in saved and saved[k] != getattr(cfg, k)]
             if diff:
-                raise ValueError("--resume: settings differ from the checkpoint's: "
-                                 + ", ".join(f"{k} {saved[k]!r} -> {getattr(cfg, k)!r}" for k in diff))
+                raise DartInputError("--resume: settings differ from the checkpoint's: "
+                                     + ", ".join(f"{k} {saved[k]!r} -> {getattr(cfg, k)!r}" for k in diff))
             head = HEAD_CLASSES[cfg.mode].from_pretrained(ckpt, load_ngram=False)
             self.start_step = int(resume_state["step"])
             if cfg.time_budget is None:

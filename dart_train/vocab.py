@@ -13,6 +13,8 @@ from typing import Iterable
 import numpy as np
 import torch
 
+from dart_core.errors import DartInputError
+
 
 def count_tokens(sequences: Iterable[tuple[np.ndarray, int]], vocab_size: int, responses_only: bool = True) -> np.ndarray:
     """int64 [vocab_size] occurrences of each token in `(tokens, prompt_length)` pairs.
@@ -29,8 +31,8 @@ def count_tokens(sequences: Iterable[tuple[np.ndarray, int]], vocab_size: int, r
             continue
         lo, hi = int(arr.min()), int(arr.max())
         if lo < 0 or hi >= vocab_size:
-            raise ValueError(f"sequence {i}: token id {lo if lo < 0 else hi} outside the target vocab "
-                             f"0..{vocab_size - 1}")
+            raise DartInputError(f"sequence {i}: token id {lo if lo < 0 else hi} outside the target vocab "
+                                 f"0..{vocab_size - 1}")
         counts += np.bincount(arr, minlength=vocab_size)
     return counts
 
@@ -41,7 +43,8 @@ def select_draft_tokens(counts: np.ndarray, draft_vocab_size: int) -> np.ndarray
     counts = np.asarray(counts, dtype=np.int64)
     vocab_size = counts.shape[0]
     if not 1 <= draft_vocab_size <= vocab_size:
-        raise ValueError(f"draft_vocab_size must be in 1..{vocab_size} (the target vocab), got {draft_vocab_size}")
+        raise DartInputError(f"draft_vocab_size must be in 1..{vocab_size} (the target vocab), "
+                             f"got {draft_vocab_size}")
     ids = np.arange(vocab_size, dtype=np.int64)
     # lexsort: last key is primary -> by count descending, then by id ascending
     order = np.lexsort((ids, -counts))

@@ -15,7 +15,7 @@ import torch
 
 import dart_hf
 from dart_cli.main import main
-from dart_core import DartConfig, DartHead, TreeConfig, build_draft_tree
+from dart_core import DartConfig, DartHead, DartInputError, TreeConfig, build_draft_tree
 from dart_train.data import read_shards, write_shard
 from hf_models import random_head, tiny_target
 
@@ -91,7 +91,7 @@ def test_a_head_config_cannot_point_at_files_outside_its_directory(tmp_path):
         config = json.loads((tmp_path / "head" / "config.json").read_text())
         config["dart_ngram_file"] = name
         (tmp_path / "head" / "config.json").write_text(json.dumps(config))
-        with pytest.raises(ValueError, match="outside the head directory"):
+        with pytest.raises(DartInputError, match="outside the head directory"):
             DartHead.from_pretrained(tmp_path / "head")
 
 
@@ -110,6 +110,29 @@ def test_corrupt_shards_are_one_line(tiny_run, tmp_path, capsys, damage, message
     one_line_error(["ngram", "build", "--data", data, "--out", tmp_path / "n.safetensors"], capsys, message)
 
 
+def test_internal_errors_keep_their_traceback(monkeypatch, capsys):
+    """Only bad input (DartInputError, UsageError among them) and the file system's answers (OSError) are one line: a
+    ValueError or IndexError from inside the code is a bug, and its traceback is what a bug report needs."""
+    import dart_cli.demo
+
+    def fails(error):
+        def verify(*args, **kwargs):
+            raise error
+        return verify
+
+    for error in (ValueError("shapes [2, 3] and [3, 2] do not broadcast"), IndexError("index 7 is out of bounds"),
+                  TypeError("unsupported operand")):
+        monkeypatch.setattr(dart_cli.demo, "verify_greedy", fails(error))
+        with pytest.raises(type(error), match=str(error).split()[0]):
+            main(["demo", "--core", "--batch-size", "1"])
+        assert "error:" not in capsys.readouterr().err
+    # the same place raising bad input or a file-system error: one line, exit status 2
+    for error, message in ((DartInputError("TreeConfig.topk must be a positive integer"), "topk must be"),
+                           (PermissionError(13, "Permission denied", "/out"), "Permission denied: /out")):
+        monkeypatch.setattr(dart_cli.demo, "verify_greedy", fails(error))
+        one_line_error(["demo", "--core", "--batch-size", "1"], capsys, message)
+
+
 def test_a_directory_where_a_shard_should_be_is_one_line(tmp_path, capsys):
     data = tmp_path / "data"
     (data / "shard-00000.npz").mkdir(parents=True)
@@ -123,7 +146,7 @@ def test_a_bad_target_dtype_is_refused(tiny_run, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         main([str(a) for a in train_args(root, tmp_path / "o", "--target-dtype", "int8")])
     assert exit_.value.code == 2 and "invalid choice: 'int8'" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="target_dtype must be one of float32, float16, bfloat16"):
+    with pytest.raises(DartInputError, match="target_dtype must be one of float32, float16, bfloat16"):
         TrainConfig(data=[str(root / "data")], out=str(tmp_path / "o"), target_dtype="int8").validate()
 
 
@@ -164,7 +187,7 @@ def test_bad_head_configs_are_refused_by_name(tmp_path, field, value, message):
     config.pop("head_dim")  # derived from hidden_size / num_attention_heads: those are checked first
     config[field] = value
     (tmp_path / "head" / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(DartInputError, match=message):
         DartHead.from_pretrained(tmp_path / "head")
 
 
@@ -200,7 +223,7 @@ def _raw_shard(path, tokens, offsets, prompts):
 ])
 def test_inconsistent_shards_are_refused(tmp_path, offsets, prompts, message):
     _raw_shard(tmp_path / "shard-00000.npz", range(6), offsets, prompts)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(DartInputError, match=message):
         list(read_shards(tmp_path))
 
 
@@ -229,7 +252,7 @@ def test_bad_draft_probabilities_build_no_tree(probs):
     ({"remain_total": 100000}, "remain_total 100000 is above the supported 1024"),
 ])
 def test_bad_tree_settings_are_refused(settings, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(DartInputError, match=message):
         TreeConfig(**settings)
 
 
@@ -242,7 +265,7 @@ def test_integer_weights_where_floats_belong_and_float_d2t_are_refused(tmp_path)
     state = load_file(str(weights))
     for key, tensor in (("d2t", state["d2t"].float()), ("fc.weight", state["fc.weight"].long())):
         save_file({**state, key: tensor}, str(weights))
-        with pytest.raises(ValueError, match=f"{key} is torch"):
+        with pytest.raises(DartInputError, match=f"{key} is torch"):
             DartHead.from_pretrained(tmp_path / "head")
 
 
