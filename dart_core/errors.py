@@ -1,4 +1,4 @@
-"""The error type of input this project cannot use (docs/DESIGN.md §0, "Errors")."""
+"""The error type of input this project cannot use (docs/DESIGN.md §1.1, "Errors")."""
 
 
 class DartInputError(ValueError):

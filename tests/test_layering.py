@@ -1,4 +1,4 @@
-"""The package structure (docs/DESIGN.md §0), read from the source with `ast`: which package may import which, that
+"""The package structure (docs/DESIGN.md §1.1), read from the source with `ast`: which package may import which, that
 the import graph between packages has no cycle, and that each integration owns its format."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"dart_core": "dart_core", "dart_hf": "dart_hf", "dart_sglang": "dart_sglang",
             "dart_converters": "converters", "dart_train": "dart_train", "dart_bench": "dart_bench",
             "dart_cli": "dart_cli"}
-# what each package may import (directly or inside functions): the layers of docs/DESIGN.md §0
+# what each package may import (directly or inside functions): the layers of docs/DESIGN.md §1.1
 ALLOWED = {
     "dart_core": set(),
     "dart_converters": {"dart_core"},
