@@ -1,0 +1,439 @@
+"""GPU check: plain `generate()` vs DART on SmolLM2-135M-Instruct with the shipped head, in one short run.
+
+    python benchmarks/gpu_check.py --out benchmarks/results/gpu_check.json                 # the default GPU run
+    python benchmarks/gpu_check.py --device cpu --dtypes float32 --nodes 4 --prompts 1 --max-new-tokens 8 \\
+        --out /tmp/gpu_check.json                                                          # a CPU smoke run
+
+For each dtype (default float32 and bfloat16: the model and head are cast, each dtype checked against its own plain
+run) it times plain greedy decoding once over the prompts, then DART with the shipped head at each tree size
+(`--nodes`, default 60, 16 and 8 draft nodes: the head's own tree settings with `remain_total` replaced; no cached
+calibration is used), `--max-new-tokens` (128) per prompt, batch 1, after one short warm-up generate of each kind.
+
+Measured (every clock waits for the device: `torch.cuda.synchronize` around each generate, `dart_sync_timing=True`
+inside DART's loop, so the phase times are device time):
+
+- identity: DART's output token for token equal to plain's, per prompt, the unsynced reruns too (exit status 1
+  when any differs, after the JSON is written);
+- plain: tokens/s, ms per token (wall / new tokens) and ms per step (wall less a 1-token generate of the same prompt,
+  i.e. less setup and prefill, over the remaining tokens);
+- DART: tokens/s, tau (tokens per verify step, bonus included), ms per verify step ((wall - prefill) / steps) and
+  within it head / tree / mask / target / accept / compact / verify / other ms, the overhead per step over a plain
+  step (DART step ms - plain step ms; as a fraction of the plain step: the goal on an H100/H200-class GPU is <= 0.15)
+  and the speedup (DART tokens/s over plain's);
+- `--unsynced-prompts` (1): the first prompts run once more without `dart_sync_timing`, so the cost of the
+  phase synchronisations shows (`sync_cost_ms_per_step`; the synced numbers are the conservative ones).
+
+Prompts: MT-Bench first turns (chat template) from `--prompt-file` (JSON lines with "turns" lists, or "prompt" /
+"text" strings), by default `../shared/data/mt_bench_questions.jsonl` beside the checkout; the repository ships no
+copy. One JSON is written (atomically, rewritten after every block so a run cut short leaves its finished blocks) with
+the device name, versions, commit and settings. Its CPU runs are no speed claim; the GPU rows of BENCHMARKS.md come
+from its GPU runs.
+
+JSON: `environment` (device, device_name, torch, transformers, cuda, python, commit: git HEAD or
+$DART_SPEC_COMMIT), `settings`, `identity`, `complete`, `elapsed_s`, and per dtype `dtypes.<dtype>`: `tree_config`
+(the head's, before `remain_total` is replaced), `plain` (tokens_per_s, ms_per_token, step_ms, ...), `trees.<nodes>`
+(identical / prompts, identity, tokens_per_s, speedup, tau, steps, prefill_ms, step_ms, phases_ms_per_step,
+overhead_ms_per_step, overhead_fraction, overhead_goal_met (CUDA only), unsynced, per_prompt) and `skipped`.
+
+Budget (the default run must finish in under 5 minutes on an H200): plain SmolLM2 decoding there is launch bound
+at about 27 ms/token and a DART step takes about 40 ms; the shipped head's tau on MT-Bench is about 2.0 / 2.2 / 2.4
+at 8 / 16 / 60 nodes (benchmarks/results/tree_settings.json). Per dtype: plain 8 x 128 tokens ~ 28 s, each tree
+~ 8 x 128 / tau steps x 40 ms ~ 17-21 s plus ~ 2.5 s for its unsynced prompt, warm-up and loading ~ 6 s: ~ 95 s. Two
+dtypes ~ 3.2 min, with Python start-up and the GGUF's one-time conversion ~ 3.7 min. Plain decoding is therefore
+timed once per dtype (not per tree). `--budget-s` (default 270) starts no block after that many seconds (the JSON
+then lists the skipped blocks; exit status 2), so a slower machine still ends near 5 minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results_io import write_results  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_PROMPT_FILE = REPO.parent / "shared" / "data" / "mt_bench_questions.jsonl"
+PHASES = ("head", "tree", "mask", "target", "accept", "compact", "verify")
+OVERHEAD_GOAL = 0.15  # overhead per step as a fraction of a plain step, H100/H200-class GPU, SmolLM2-135M
+WARMUP_TOKENS = 16
+
+
+# ---- prompts ------------------------------------------------------------------------------------------------------
+def read_prompts(path: Path, count: int) -> list[str]:
+    """The first `count` prompts of a JSON-lines file: MT-Bench rows (first of "turns"), "prompt" / "text" rows or
+    plain JSON strings."""
+    if not path.is_file():
+        raise FileNotFoundError(f"prompt file not found: {path} (pass --prompt-file FILE: JSON lines of MT-Bench "
+                                "questions, or rows with a \"prompt\" or \"text\" string)")
+    prompts = []
+    with open(path, encoding="utf-8") as fh:
+        for number, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            if isinstance(row, str):
+                prompts.append(row)
+            elif isinstance(row, dict) and isinstance(row.get("turns"), list) and row["turns"]:
+                prompts.append(str(row["turns"][0]))
+            elif isinstance(row, dict) and isinstance(row.get("prompt", row.get("text")), str):
+                prompts.append(row.get("prompt", row.get("text")))
+            else:
+                raise ValueError(f"{path}:{number}: expected a JSON string or an object with \"turns\", \"prompt\" "
+                                 "or \"text\"")
+            if len(prompts) == count:
+                break
+    if len(prompts) < count:
+        raise ValueError(f"{path} holds {len(prompts)} prompts, fewer than the {count} asked for")
+    return prompts
+
+
+def encode(tokenizer, text: str, device: torch.device) -> torch.Tensor:
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                         return_tensors="pt", return_dict=True)["input_ids"].to(device)
+
+
+# ---- timing -------------------------------------------------------------------------------------------------------
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type != "cpu" and hasattr(torch, "accelerator"):
+        torch.accelerator.synchronize(device)
+
+
+def timed_generate(model, ids: torch.Tensor, max_new_tokens: int, **kwargs) -> tuple[torch.Tensor, float]:
+    """(output ids [1, L], wall seconds), the device synchronised before and after."""
+    sync(ids.device)
+    t0 = time.perf_counter()
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                         **kwargs)
+    sync(ids.device)
+    return out, time.perf_counter() - t0
+
+
+def first_mismatch(a: torch.Tensor, b: torch.Tensor, start: int) -> Optional[int]:
+    """Index (in new tokens) of the first position where `a` and `b` [1, L] differ after `start`; None if equal."""
+    a, b = a[0, start:].tolist(), b[0, start:].tolist()
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+# ---- one dtype ----------------------------------------------------------------------------------------------------
+class Progress:
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+
+    @property
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def __call__(self, message: str) -> None:
+        print(f"[{self.elapsed:6.1f}s] {message}", flush=True)
+
+
+def load(device: torch.device, dtype: torch.dtype):
+    """(model, tokenizer, head) on `device` in `dtype`: the shipped default, its head's own tree settings."""
+    from dart_hf.default import load_default
+
+    model, tokenizer, head = load_default(use_calibration=False)
+    model.to(device=device, dtype=dtype)
+    head.to(device=device, dtype=dtype)
+    head.eval()
+    if head.ngram is not None:  # not a module: head.to() leaves it on the CPU, and the tree search runs on `device`
+        head.ngram = head.ngram.to(device)
+    if head.get_input_embeddings() is not model.get_input_embeddings():  # shared, as load_default set it up
+        head.set_input_embeddings(model.get_input_embeddings())
+    return model, tokenizer, head
+
+
+def plain_block(model, encoded: list[torch.Tensor], max_new_tokens: int, repeats: int, log) -> tuple[dict, list]:
+    """Plain greedy decoding of every prompt (`repeats` times); returns the summary and outputs[repeat][prompt]."""
+    outputs, rows = [], []
+    wall = first_wall = 0.0
+    new = steps_tokens = 0
+    for r in range(repeats):
+        outputs.append([])
+        for i, ids in enumerate(encoded):
+            _, one = timed_generate(model, ids, 1)  # setup + prefill + the first token
+            out, t = timed_generate(model, ids, max_new_tokens)
+            n = out.shape[1] - ids.shape[1]
+            outputs[r].append(out)
+            wall += t
+            new += n
+            if n > 1:
+                first_wall += one
+                steps_tokens += n - 1
+            rows.append({"repeat": r, "prompt": i, "prompt_tokens": int(ids.shape[1]), "new_tokens": n,
+                         "wall_s": t, "one_token_wall_s": one})
+            log(f"  plain prompt {i + 1}/{len(encoded)}: {n} tokens, {t * 1e3 / max(n, 1):.1f} ms/token")
+    timed_steps_wall = sum(row["wall_s"] for row in rows if row["new_tokens"] > 1)
+    summary = {"prompts": len(encoded) * repeats, "new_tokens": new, "wall_s": wall,
+               "tokens_per_s": new / wall if wall else 0.0, "ms_per_token": wall * 1e3 / new if new else 0.0,
+               "step_ms": (timed_steps_wall - first_wall) * 1e3 / steps_tokens if steps_tokens else 0.0,
+               "one_token_generate_ms": first_wall * 1e3 / max(1, sum(r["new_tokens"] > 1 for r in rows)),
+               "per_prompt": rows}
+    return summary, outputs
+
+
+def dart_block(model, head, tree_config, encoded: list[torch.Tensor], plain_outputs: list, max_new_tokens: int,
+               repeats: int, unsynced_prompts: int, plain: dict, log) -> dict:
+    """DART with `tree_config` over every prompt, compared with the plain outputs of the same repeat."""
+    rows = []
+    sums = {name: 0.0 for name in PHASES}
+    wall = prefill = 0.0
+    new = steps = accepted = identical = 0
+    nodes_seen = []
+    for r in range(repeats):
+        for i, ids in enumerate(encoded):
+            out, t = timed_generate(model, ids, max_new_tokens, dart_head=head, dart_tree_config=tree_config,
+                                    dart_sync_timing=True)
+            stats = model.dart_stats
+            n = out.shape[1] - ids.shape[1]
+            mismatch = first_mismatch(out, plain_outputs[r][i], ids.shape[1])
+            identical += mismatch is None
+            wall += t
+            new += n
+            prefill += stats.prefill_time
+            steps += stats.steps
+            accepted += sum(stats.accepted_lengths)
+            nodes_seen.append(stats.tree_nodes)
+            for name in PHASES:
+                sums[name] += float(getattr(stats, f"{name}_time", 0.0))
+            rows.append({"repeat": r, "prompt": i, "new_tokens": n, "wall_s": t, "prefill_s": stats.prefill_time,
+                         "steps": stats.steps, "tau": stats.tau, "identical": mismatch is None,
+                         "first_mismatch": mismatch})
+            log(f"  DART prompt {i + 1}/{len(encoded)}: {n} tokens, tau {stats.tau:.2f}, "
+                f"{(t - stats.prefill_time) * 1e3 / max(stats.steps, 1):.1f} ms/step"
+                + ("" if mismatch is None else f", DIFFERS from plain at new token {mismatch}"))
+    step_ms = (wall - prefill) * 1e3 / steps if steps else 0.0
+    per_step = {f"{name}_ms": sums[name] * 1e3 / steps if steps else 0.0 for name in PHASES}
+    per_step["draft_ms"] = per_step["head_ms"] + per_step["tree_ms"]
+    per_step["other_ms"] = step_ms - per_step["head_ms"] - per_step["tree_ms"] - per_step["verify_ms"]
+    tokens_per_s = new / wall if wall else 0.0
+    row = {"remain_total": tree_config.remain_total, "tree_nodes_max": max(nodes_seen, default=0),
+           "prompts": len(rows), "identical": identical, "identity": identical == len(rows),
+           "new_tokens": new, "wall_s": wall, "tokens_per_s": tokens_per_s,
+           "speedup": tokens_per_s / plain["tokens_per_s"] if plain["tokens_per_s"] else 0.0,
+           "steps": steps, "tau": (accepted + steps) / steps if steps else 0.0,
+           "prefill_ms": prefill * 1e3 / len(rows) if rows else 0.0, "step_ms": step_ms,
+           "phases_ms_per_step": per_step,
+           "overhead_ms_per_step": step_ms - plain["step_ms"],
+           "overhead_fraction": (step_ms - plain["step_ms"]) / plain["step_ms"] if plain["step_ms"] else None}
+    # the goal is for a CUDA GPU (H100/H200 class); a CPU run says nothing about it
+    row["overhead_goal_met"] = (row["overhead_fraction"] <= OVERHEAD_GOAL if encoded[0].device.type == "cuda"
+                                and row["overhead_fraction"] is not None else None)
+    if unsynced_prompts:
+        row["unsynced"] = unsynced_block(model, head, tree_config, encoded[:unsynced_prompts], max_new_tokens,
+                                         [r for r in rows if r["repeat"] == 0][:unsynced_prompts],
+                                         plain_outputs[0][:unsynced_prompts])
+        row["identity"] = row["identity"] and row["unsynced"]["identical"] == row["unsynced"]["prompts"]
+    row["per_prompt"] = rows
+    return row
+
+
+def unsynced_block(model, head, tree_config, encoded, max_new_tokens, synced_rows, plain_outputs) -> dict:
+    """The same prompts without `dart_sync_timing`: ms per step with and without the phase synchronisations (and
+    the outputs checked against plain's too)."""
+    wall = prefill = 0.0
+    steps = identical = 0
+    for ids, plain in zip(encoded, plain_outputs):
+        out, t = timed_generate(model, ids, max_new_tokens, dart_head=head, dart_tree_config=tree_config)
+        identical += first_mismatch(out, plain, ids.shape[1]) is None
+        wall += t
+        prefill += model.dart_stats.prefill_time
+        steps += model.dart_stats.steps
+    synced_wall = sum(r["wall_s"] for r in synced_rows)
+    synced_steps = sum(r["steps"] for r in synced_rows)
+    synced_prefill = sum(r["prefill_s"] for r in synced_rows)
+    unsynced_ms = (wall - prefill) * 1e3 / steps if steps else 0.0
+    synced_ms = (synced_wall - synced_prefill) * 1e3 / synced_steps if synced_steps else 0.0
+    return {"prompts": len(encoded), "identical": identical, "step_ms": unsynced_ms, "synced_step_ms": synced_ms,
+            "sync_cost_ms_per_step": synced_ms - unsynced_ms}
+
+
+def run_dtype(dtype_name: str, args, prompts: list[str], progress: Progress, result: dict, save) -> None:
+    device = torch.device(args.device)
+    dtype = getattr(torch, dtype_name)
+    entry = result["dtypes"].setdefault(dtype_name, {"trees": {}, "skipped": []})
+    if progress.elapsed > args.budget_s:
+        entry["skipped"] = ["plain"] + [str(n) for n in args.nodes]
+        progress(f"{dtype_name}: skipped (past the {args.budget_s:.0f} s budget)")
+        return
+    progress(f"{dtype_name}: loading on {device}")
+    model, tokenizer, head = load(device, dtype)
+    base = head.tree_config or head.default_tree_config(tokenizer.eos_token_id)
+    configs = {n: dataclasses.replace(base, remain_total=n) for n in args.nodes}
+    entry["tree_config"] = base.to_dict()
+    encoded = [encode(tokenizer, text, device) for text in prompts]
+    warm = encoded[0]
+    timed_generate(model, warm, WARMUP_TOKENS)
+    for config in configs.values():
+        timed_generate(model, warm, WARMUP_TOKENS, dart_head=head, dart_tree_config=config, dart_sync_timing=True)
+        timed_generate(model, warm, WARMUP_TOKENS, dart_head=head, dart_tree_config=config)
+    progress(f"{dtype_name}: warmed up; plain decoding")
+    plain, outputs = plain_block(model, encoded, args.max_new_tokens, args.repeats, progress)
+    entry["plain"] = plain
+    progress(f"{dtype_name} plain: {plain['tokens_per_s']:.1f} tok/s, {plain['step_ms']:.2f} ms/step")
+    save()
+    for nodes, config in configs.items():
+        if progress.elapsed > args.budget_s:
+            entry["skipped"].append(str(nodes))
+            progress(f"{dtype_name} DART {nodes} nodes: skipped (past the {args.budget_s:.0f} s budget)")
+            continue
+        progress(f"{dtype_name}: DART, {nodes} draft nodes")
+        row = dart_block(model, head, config, encoded, outputs, args.max_new_tokens, args.repeats,
+                         min(args.unsynced_prompts, len(encoded)), plain, progress)
+        entry["trees"][str(nodes)] = row
+        progress(f"{dtype_name} DART {nodes} nodes: {row['identical']}/{row['prompts']} identical, "
+                 f"{row['tokens_per_s']:.1f} tok/s ({row['speedup']:.2f}x), tau {row['tau']:.2f}, "
+                 f"{row['step_ms']:.2f} ms/step, overhead {row['overhead_ms_per_step']:.2f} ms "
+                 f"({100 * (row['overhead_fraction'] or 0):.0f}% of a plain step)")
+        save()
+    del model, head
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ---- report -------------------------------------------------------------------------------------------------------
+def environment(device: torch.device) -> dict:
+    import transformers
+
+    env = {"device": str(device), "torch": torch.__version__, "transformers": transformers.__version__,
+           "python": platform.python_version(), "platform": platform.platform(), "commit": git_commit(),
+           "torch_threads": torch.get_num_threads()}
+    if device.type == "cuda":
+        env.update(device_name=torch.cuda.get_device_name(device), cuda=torch.version.cuda,
+                   device_capability=".".join(map(str, torch.cuda.get_device_capability(device))))
+    else:
+        env["device_name"] = platform.processor() or platform.machine() or device.type
+    return env
+
+
+def git_commit() -> Optional[str]:
+    """HEAD of the checkout (with "+dirty" when tracked files differ), else $DART_SPEC_COMMIT, else None."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
+        if head.returncode == 0:
+            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                                   capture_output=True, text=True, timeout=10).stdout.strip()
+            return head.stdout.strip() + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return os.environ.get("DART_SPEC_COMMIT") or None
+
+
+def table(result: dict) -> str:
+    lines = [f"{result['environment']['device_name']}: {result['settings']['prompts']} prompts x "
+             f"{result['settings']['max_new_tokens']} tokens",
+             "| dtype | run | identical | tok/s | speedup | tau | ms/step | overhead ms (frac) | head | tree | "
+             "target | other |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, entry in result["dtypes"].items():
+        plain = entry.get("plain")
+        if plain:
+            lines.append(f"| {name} | plain | - | {plain['tokens_per_s']:.1f} | 1.00 | 1.00 | {plain['step_ms']:.2f} "
+                         "| - | - | - | - | - |")
+        for nodes, row in entry["trees"].items():
+            p = row["phases_ms_per_step"]
+            frac = row["overhead_fraction"]
+            lines.append(f"| {name} | DART {nodes} | {row['identical']}/{row['prompts']} | {row['tokens_per_s']:.1f} "
+                         f"| {row['speedup']:.2f} | {row['tau']:.2f} | {row['step_ms']:.2f} | "
+                         f"{row['overhead_ms_per_step']:.2f} ({'-' if frac is None else f'{frac:.2f}'}) | "
+                         f"{p['head_ms']:.2f} | {p['tree_ms']:.2f} | {p['target_ms']:.2f} | {p['other_ms']:.2f} |")
+        if entry.get("skipped"):
+            lines.append(f"| {name} | skipped: {', '.join(entry['skipped'])} | | | | | | | | | | |")
+    return "\n".join(lines)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cuda (default when available), cuda:N or cpu")
+    parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated (default float32,bfloat16)")
+    parser.add_argument("--nodes", default="60,16,8", help="draft nodes per tree, comma-separated (default 60,16,8)")
+    parser.add_argument("--prompts", type=int, default=8, help="first N prompts of the prompt file (default 8)")
+    parser.add_argument("--prompt-file", type=Path, default=DEFAULT_PROMPT_FILE,
+                        help=f"JSON lines of prompts (default {DEFAULT_PROMPT_FILE})")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=1, help="times each prompt is run per setting (default 1)")
+    parser.add_argument("--unsynced-prompts", type=int, default=1,
+                        help="prompts run again per tree without dart_sync_timing (default 1; 0: none)")
+    parser.add_argument("--budget-s", type=float, default=270.0,
+                        help="start no block after this many seconds (default 270)")
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "gpu_check.json"),
+                        help="JSON to write (default benchmarks/results/gpu_check.json)")
+    args = parser.parse_args(argv)
+    try:
+        args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+        args.nodes = [int(n) for n in args.nodes.split(",") if n.strip()]
+    except ValueError:
+        parser.error("--nodes takes comma-separated integers")
+    for name in args.dtypes:
+        if not isinstance(getattr(torch, name, None), torch.dtype) or not getattr(torch, name).is_floating_point:
+            parser.error(f"--dtypes: {name!r} is not a torch floating-point dtype")
+    if not args.dtypes or not args.nodes or min(args.nodes) < 1:
+        parser.error("--dtypes and --nodes need at least one entry; nodes must be >= 1")
+    for name in ("prompts", "max_new_tokens", "repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.unsynced_prompts < 0:
+        parser.error("--unsynced-prompts must be >= 0")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("gpu_check: --device cuda but torch sees no CUDA device")
+    progress = Progress()
+    prompts = read_prompts(args.prompt_file, args.prompts)
+    result = {"script": "benchmarks/gpu_check.py", "complete": False, "environment": environment(device),
+              "settings": {"dtypes": args.dtypes, "nodes": args.nodes, "prompts": args.prompts,
+                           "prompt_file": args.prompt_file.name,
+                           "prompts_sha256": hashlib.sha256("\n".join(prompts).encode()).hexdigest(),
+                           "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
+                           "unsynced_prompts": args.unsynced_prompts, "budget_s": args.budget_s,
+                           "warmup_tokens": WARMUP_TOKENS, "overhead_goal_fraction": OVERHEAD_GOAL,
+                           "sync_timing": True, "greedy": True, "batch_size": 1},
+              "dtypes": {}}
+
+    def save() -> None:
+        result["elapsed_s"] = progress.elapsed
+        write_results(args.out, result)
+
+    progress(f"gpu_check on {result['environment']['device_name']} ({device}): dtypes {args.dtypes}, "
+             f"nodes {args.nodes}, {len(prompts)} prompts x {args.max_new_tokens} tokens")
+    for dtype_name in args.dtypes:
+        run_dtype(dtype_name, args, prompts, progress, result, save)
+    rows = [row for entry in result["dtypes"].values() for row in entry["trees"].values()]
+    skipped = [s for entry in result["dtypes"].values() for s in entry.get("skipped", [])]
+    result["identity"] = all(row["identity"] for row in rows) if rows else None
+    result["complete"] = not skipped
+    save()
+    print(table(result))
+    verdict = {True: "100%", False: "BROKEN", None: "not checked"}[result["identity"]]
+    print(f"wrote {args.out} ({progress.elapsed:.1f} s); identity {verdict}"
+          + ("" if result["complete"] else f"; skipped: {skipped}"), flush=True)
+    if result["identity"] is False:
+        return 1
+    return 0 if result["complete"] else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
