@@ -35,12 +35,13 @@ def measure(model, sizes, repeats: int, product) -> dict:
     cache = DynamicCache(config=model.config)
     context = torch.randint(0, 49152, (1, 256), generator=torch.Generator().manual_seed(0))
     block = torch.randint(0, 49152, (1, max(sizes)), generator=torch.Generator().manual_seed(1))
-    none = torch.zeros(0, dtype=torch.long)
+    none = torch.zeros(1, 0, dtype=torch.long)
+    past = torch.ones(1, 256, dtype=torch.bool)
     with torch.no_grad():
         model(input_ids=context, past_key_values=cache, use_cache=True)
         out = {}
         for k in sizes:
-            mask = tree_attention_mask(torch.ones(k, k, dtype=torch.bool).tril(), 256, torch.float32).to(device)
+            mask = tree_attention_mask(torch.ones(1, k, k, dtype=torch.bool).tril(), past, torch.float32).to(device)
             positions = torch.arange(256, 256 + k)[None]
             times = []
             for i in range(repeats + 1):

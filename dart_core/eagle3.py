@@ -24,7 +24,7 @@ import torch
 
 from dart_core.config import DartConfig, TreeConfig
 from dart_core.head import EAGLE3_ARCHITECTURE, DartHead, DartHeadCache, additive_mask
-from dart_core.tree import DraftTree
+from dart_core.tree import DraftTree, DraftTreeBatch
 
 
 class Eagle3Head(DartHead):
@@ -112,15 +112,19 @@ class Eagle3Head(DartHead):
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
     # ---- the drafter interface (`DartHead`'s, with this drafter's mechanics) ----------------------------------
-    def draft(self, aux_rows: torch.Tensor, new_ids: torch.Tensor, cache: DartHeadCache,
-              tree_config: TreeConfig) -> "DraftCandidates":
-        """D+1 (or `tree_config.max_depth`) autoregressive levels with `tree_config.topk` as branching and beam."""
+    max_batch_size = 1  # the chain rows of one sequence fill the cache's scratch space
+
+    def draft(self, aux_rows: torch.Tensor, new_ids: torch.Tensor, lengths: Optional[torch.Tensor],
+              cache: DartHeadCache, tree_config: TreeConfig) -> "DraftCandidates":
+        """D+1 (or `tree_config.max_depth`) autoregressive levels with `tree_config.topk` as branching and beam, for
+        one sequence whose T new rows are all real (`lengths` is None or [T])."""
         return self.draft_candidates(aux_rows, new_ids, cache, tree_config.topk, tree_config.max_depth)
 
-    def build_tree(self, candidates: "DraftCandidates", context: torch.Tensor, ngram,
-                   tree_config: TreeConfig) -> DraftTree:
-        """The `tree_config.remain_total` best candidates (no n-gram prior: `ngram` is ignored)."""
-        return select_draft_tree(candidates, context[-1], tree_config.remain_total)
+    def build_tree(self, candidates: "DraftCandidates", contexts: torch.Tensor, ngram,
+                   tree_config: TreeConfig) -> DraftTreeBatch:
+        """The `tree_config.remain_total` best candidates (no n-gram prior: `ngram` is ignored), as a batch of one."""
+        tree = select_draft_tree(candidates, contexts[0, -1], tree_config.remain_total)
+        return DraftTreeBatch.stack([tree]).to(contexts.device)
 
     def training_forward(self, aux: torch.Tensor, shifted_ids: torch.Tensor,
                          anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,7 +13,7 @@ from torch import nn
 from dart_core.config import CONFIG_NAME, DartConfig, TreeConfig
 from dart_core.errors import DartInputError
 from dart_core.io import atomic_write, is_inside, load_safetensors_checked, save_safetensors_atomic
-from dart_core.tree import DraftTree, build_draft_tree, topk_draft_tokens
+from dart_core.tree import DraftTreeBatch, build_draft_trees, topk_draft_tokens
 
 WEIGHTS_NAME = "model.safetensors"
 NGRAM_NAME = "ngram.safetensors"
@@ -128,7 +128,8 @@ class DartMidLayer(nn.Module):
 class DartHeadCache:
     """Keys/values of the real rows the head has seen, per batch row with its own length.
 
-    keys/values [B, kv_heads, capacity, hd]; lengths [B] int64 (rows of each batch row held).
+    keys/values [B, kv_heads, capacity, hd]; lengths [B] int64 (rows of each batch row held); `span` (a host int)
+    bounds every length from above, so attention reads `keys[:, :, :span]` without asking the device.
     """
 
     def __init__(self, batch_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -136,13 +137,11 @@ class DartHeadCache:
         self.keys = torch.zeros(batch_size, num_kv_heads, capacity, head_dim, dtype=dtype, device=device)
         self.values = torch.zeros_like(self.keys)
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.span = 0
 
     @property
     def batch_size(self) -> int:
         return int(self.keys.shape[0])
-
-    def max_length(self) -> int:
-        return int(self.lengths.max()) if self.lengths.numel() else 0
 
     def reserve(self, needed: int) -> None:
         """Grow the storage to hold at least `needed` rows per batch row (rows past `lengths` are scratch space:
@@ -155,16 +154,22 @@ class DartHeadCache:
         self.keys, self.values = F.pad(self.keys, pad), F.pad(self.values, pad)
 
     def append(self, k: torch.Tensor, v: torch.Tensor, new_lengths: torch.Tensor) -> None:
-        """Store k/v [B, kv, T, hd] rows 0..new_lengths[b]-1 of each batch row after its current length."""
-        b, _, t, _ = k.shape
-        self.reserve(self.max_length() + t)
-        offs = torch.arange(t, device=k.device)
-        dest = self.lengths[:, None] + offs  # [B, T]
-        keep = offs[None, :] < new_lengths[:, None]  # [B, T]
-        bi, ti = torch.nonzero(keep, as_tuple=True)
-        self.keys[bi, :, dest[bi, ti]] = k[bi, :, ti]
-        self.values[bi, :, dest[bi, ti]] = v[bi, :, ti]
+        """Store k/v [B, kv, T, hd] rows 0..new_lengths[b]-1 of each batch row after its current length.
+
+        All T rows are written (rows past new_lengths[b] land in scratch space), so the operators do not depend on
+        the lengths' values."""
+        t = k.shape[2]
+        self.reserve(self.span + t)
+        dest = (self.lengths[:, None] + torch.arange(t, device=k.device))[:, None, :, None].expand_as(k)  # [B,kv,T,hd]
+        self.keys.scatter_(2, dest, k.to(self.keys.dtype))
+        self.values.scatter_(2, dest, v.to(self.values.dtype))
         self.lengths = self.lengths + new_lengths
+        self.span += t
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only the batch rows `rows` [B'] (in that order), e.g. when sequences finish."""
+        self.keys, self.values = self.keys[rows], self.values[rows]
+        self.lengths = self.lengths[rows]
 
     def crop(self, lengths: torch.Tensor) -> None:
         """Forget rows past `lengths` [B] (e.g. to roll back a request)."""
@@ -246,14 +251,16 @@ class DartHead(nn.Module):
                              capacity)
 
     def forward(self, aux_hidden: torch.Tensor, shifted_ids: torch.Tensor, cache: Optional[DartHeadCache] = None,
-                lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
+                lengths: Optional[torch.Tensor] = None, check_inputs: bool = True) -> torch.Tensor:
         """aux_hidden [B, T, 3*Ht], shifted_ids [B, T] -> logits [B, D+1, draft_vocab].
 
         `lengths` [B] (default T): how many of the T rows are real for each batch row (rows past it are padding).
         With a `cache`, the real rows attend to (and are appended to) the cached rows; the mask rows never are.
+        `check_inputs=False` skips the checks that read values back from the device (token range, lengths), for
+        callers whose inputs are valid by construction (the decoding loop).
         """
         d = self.config.draft_length
-        h, k, v, lengths = self._attend_rows(aux_hidden, shifted_ids, cache, lengths, d)  # h [B, T+D, H]
+        h, k, v, lengths = self._attend_rows(aux_hidden, shifted_ids, cache, lengths, d, check_inputs)  # [B, T+D, H]
         b, t = shifted_ids.shape
         layer = self.midlayer
 
@@ -268,10 +275,14 @@ class DartHead(nn.Module):
         return self.lm_head(self.norm(self.norm(h)))
 
     def _attend_rows(self, aux_hidden: torch.Tensor, shifted_ids: torch.Tensor, cache: Optional[DartHeadCache],
-                     lengths: Optional[torch.Tensor], num_mask_rows: int):
+                     lengths: Optional[torch.Tensor], num_mask_rows: int, check_inputs: bool = True):
         """Inputs checked, then the layer's attention over the T real rows and `num_mask_rows` mask rows ->
         (h [B, T+M, H] after the attention residual, k/v [B, kv, T+M, hd], lengths [B]). Nothing is cached here."""
-        b, t = self._check_inputs(aux_hidden, shifted_ids, cache, lengths)
+        if check_inputs:
+            b, t = self._check_inputs(aux_hidden, shifted_ids, cache, lengths)
+        else:
+            self._require_embeddings()
+            b, t = shifted_ids.shape
         device = aux_hidden.device
         if lengths is None:
             lengths = torch.full((b,), t, dtype=torch.long, device=device)
@@ -291,7 +302,7 @@ class DartHead(nn.Module):
 
         positions = row_positions(past, lengths, t, d)  # [B, T+D]
         q, k, v = layer.self_attn.qkv(x, positions, self.inv_freq)
-        span = cache.max_length() if cache is not None else 0
+        span = cache.span if cache is not None else 0
         if span:
             keys = torch.cat((cache.keys[:, :, :span], k), dim=2)
             values = torch.cat((cache.values[:, :, :span], v), dim=2)
@@ -330,20 +341,23 @@ class DartHead(nn.Module):
         return b, t
 
     # ---- the drafter interface: what decoding, calibration and training call ---------------------------------
-    # (a drafter with other mechanics, `dart_core.eagle3.Eagle3Head`, overrides these three)
-    def draft(self, aux_rows: torch.Tensor, new_ids: torch.Tensor, cache: DartHeadCache,
-              tree_config: TreeConfig) -> tuple[torch.Tensor, torch.Tensor]:
-        """One drafting pass for one sequence: the new real rows aux_rows [1, T, 3*Ht] / new_ids [1, T] (appended
-        to `cache`) -> the candidates `build_tree` takes: per level the top-k (target ids [L, K], probabilities
-        [L, K]), L = D+1 or `tree_config.max_depth`."""
-        logits = self(aux_rows, new_ids, cache=cache)[0, : tree_config.max_depth]  # [L, Vd]
-        return topk_draft_tokens(logits, tree_config.topk, self.d2t)
+    # (a drafter with other mechanics, `dart_core.eagle3.Eagle3Head`, overrides these and `max_batch_size`)
+    max_batch_size: Optional[int] = None  # sequences one `draft` call takes (None: any)
 
-    def build_tree(self, candidates, context: torch.Tensor, ngram, tree_config: TreeConfig) -> DraftTree:
-        """The draft tree from `draft`'s candidates: the beam search with the n-gram prior (docs/DESIGN.md §2.3);
-        `context` [C] ends with the root."""
+    def draft(self, aux_rows: torch.Tensor, new_ids: torch.Tensor, lengths: Optional[torch.Tensor],
+              cache: DartHeadCache, tree_config: TreeConfig) -> tuple[torch.Tensor, torch.Tensor]:
+        """One drafting pass for B sequences: the new rows aux_rows [B, T, 3*Ht] / new_ids [B, T], of which the first
+        lengths[b] are real (None: all; appended to `cache`) -> the candidates `build_tree` takes: per level the
+        top-k (target ids [B, L, K], probabilities [B, L, K]), L = D+1 or `tree_config.max_depth`. Inputs are not
+        read back for checks (the decoding loop's are valid by construction)."""
+        logits = self(aux_rows, new_ids, cache=cache, lengths=lengths, check_inputs=False)
+        return topk_draft_tokens(logits[:, : tree_config.max_depth], tree_config.topk, self.d2t)
+
+    def build_tree(self, candidates, contexts: torch.Tensor, ngram, tree_config: TreeConfig) -> DraftTreeBatch:
+        """The B draft trees from `draft`'s candidates: the beam search with the n-gram prior (docs/DESIGN.md §2.3);
+        `contexts` [B, C] end with the roots (left-padded with -1)."""
         tokens, probs = candidates
-        return build_draft_tree(tokens, probs, context, ngram, tree_config)
+        return build_draft_trees(tokens, probs, contexts, ngram, tree_config, check_inputs=False)
 
     def training_forward(self, aux: torch.Tensor, shifted_ids: torch.Tensor,
                          anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

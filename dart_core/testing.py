@@ -9,18 +9,20 @@ from dart_core.head import DartHead
 
 
 class ReplayHead(DartHead):
-    """A head that predicts a known continuation: its logits peak at the tokens of `reference` that come next.
+    """A head that predicts a known continuation: its logits peak at the tokens of the reference that come next.
 
-    `reference` [L] is the sequence the target will produce (prompt + continuation). After a forward whose last real
-    row is at position r (its embedded token is reference[r+1]), row j predicts reference[r+2+j] (when the draft
-    vocabulary holds it; set d2t before the first forward). With `wrong_every=k`, positions divisible by k predict a
-    wrong token instead, so only parts of each tree are right. The real head math still runs (same cost as a trained
-    head of this shape); only the logits are overwritten.
+    `reference` [L] is the sequence the target will produce (prompt + continuation), or a list of them, one per
+    sequence of a batch (without left padding). After a forward whose last real row is at position r (its embedded
+    token is reference[r+1]), row j predicts reference[r+2+j] (when the draft vocabulary holds it; set d2t before the
+    first forward). A batch row follows the first reference whose token r+1 is the one it embeds. With
+    `wrong_every=k`, positions divisible by k predict a wrong token instead, so only parts of each tree are right.
+    The real head math still runs (same cost as a trained head of this shape); only the logits are overwritten.
     """
 
-    def __init__(self, config: DartConfig, reference: torch.Tensor, wrong_every: int = 0) -> None:
+    def __init__(self, config: DartConfig, reference, wrong_every: int = 0) -> None:
         super().__init__(config)
-        self.reference = reference.reshape(-1).tolist()
+        references = [reference] if isinstance(reference, torch.Tensor) else list(reference)
+        self.references = [r.reshape(-1).tolist() for r in references]
         self.wrong_every = wrong_every
         self._draft_of: dict[int, int] | None = None
 
@@ -31,27 +33,33 @@ class ReplayHead(DartHead):
             self._draft_of = {t: d for d, t in enumerate(targets)}
         return self._draft_of
 
-    def forward(self, aux_hidden, shifted_ids, cache=None, lengths=None):
-        logits = super().forward(aux_hidden, shifted_ids, cache=cache, lengths=lengths)  # [B, D+1, V]
-        if cache is not None:
-            last = cache.lengths - 1
-        else:
-            last = torch.full((logits.shape[0],), aux_hidden.shape[1] - 1) if lengths is None else lengths - 1
+    def _reference_of(self, last: int, embedded: int) -> list[int]:
+        for reference in self.references:
+            if last + 1 < len(reference) and reference[last + 1] == embedded:
+                return reference
+        return self.references[0]
+
+    def forward(self, aux_hidden, shifted_ids, cache=None, lengths=None, **kwargs):
+        logits = super().forward(aux_hidden, shifted_ids, cache=cache, lengths=lengths, **kwargs)  # [B, D+1, V]
+        b, t = shifted_ids.shape
+        real = torch.full((b,), t) if lengths is None else lengths.cpu()
+        last = cache.lengths.cpu() - 1 if cache is not None else real - 1
         out = logits.clone()
         draft_of = self._draft_ids()
-        for b in range(out.shape[0]):
+        for row in range(b):
+            reference = self._reference_of(int(last[row]), int(shifted_ids[row, int(real[row]) - 1]))
             for j in range(out.shape[1]):
-                pos = int(last[b]) + 2 + j
-                if pos < len(self.reference):
-                    token = self.reference[pos]
+                pos = int(last[row]) + 2 + j
+                if pos < len(reference):
+                    token = reference[pos]
                     if self.wrong_every and pos % self.wrong_every == 0:
                         token = (token + 1) % self.config.vocab_size
                     if token in draft_of:
-                        out[b, j, draft_of[token]] = out[b, j].max() + 20.0
+                        out[row, j, draft_of[token]] = out[row, j].max() + 20.0
         return out
 
     @classmethod
-    def from_head(cls, head: DartHead, reference: torch.Tensor, wrong_every: int = 0) -> "ReplayHead":
+    def from_head(cls, head: DartHead, reference, wrong_every: int = 0) -> "ReplayHead":
         """A replay head with `head`'s weights and shared embedding."""
         replay = cls(head.config, reference, wrong_every)
         replay.load_state_dict(head.state_dict())

@@ -68,6 +68,9 @@ class DraftTreeBatch:
     def __len__(self) -> int:
         return self.batch_size
 
+    def to(self, device: torch.device) -> "DraftTreeBatch":
+        return DraftTreeBatch(*(getattr(self, f.name).to(device) for f in dataclasses.fields(self)))
+
     def __getitem__(self, b: int) -> DraftTree:
         n = int(self.valid[b].sum())
         return DraftTree(self.tokens[b, :n], self.parents[b, :n], self.depths[b, :n], self.scores[b, :n])
@@ -93,20 +96,17 @@ class DraftTreeBatch:
 
 
 def ancestor_mask(parents: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
-    """[B, N] parents/depths -> [B, N, N] bool, True where column j is row i or one of its ancestors."""
+    """[B, N] parents/depths -> [B, N, N] bool, True where column j is row i or one of its ancestors.
+
+    Transitive closure of the parent relation by repeated squaring: ceil(log2 N) batched matmuls, the same
+    operators whatever the trees hold and no host synchronisation (`depths` only fixes the signature)."""
     b, n = parents.shape
-    eye = torch.eye(n, dtype=torch.bool, device=parents.device).expand(b, n, n)
-    mask = eye.clone()
-    # walk up: after step s, ancestor holds the (s)-th ancestor of each node (or -1 past the root)
-    ancestor = parents.clone()
-    max_depth = int(depths.max()) if depths.numel() else 0
-    rows = torch.arange(n, device=parents.device).expand(b, n)
-    for _ in range(max_depth):
-        has = ancestor >= 0
-        bi, ri = torch.nonzero(has, as_tuple=True)
-        mask[bi, rows[bi, ri], ancestor[bi, ri]] = True
-        ancestor = torch.where(has, torch.gather(parents, 1, ancestor.clamp(min=0)), ancestor)
-    return mask
+    device = parents.device
+    cols = torch.arange(n, device=device)
+    reach = ((cols == parents[..., None]) | (cols == cols[:, None])).float()  # [B, N, N] self or parent
+    for _ in range(max(n - 1, 1).bit_length()):  # after s squarings: ancestors up to 2^s levels up
+        reach = (reach @ reach).clamp(max=1.0)
+    return reach > 0
 
 
 # ---- the beam search (docs/DESIGN.md §2.3) ---------------------------------------------------------------------------
@@ -140,15 +140,19 @@ def build_draft_tree(topk_tokens: torch.Tensor, topk_probs: torch.Tensor, contex
 
 
 def build_draft_trees(topk_tokens: torch.Tensor, topk_probs: torch.Tensor, contexts: torch.Tensor, ngram=None,
-                      config: TreeConfig | None = None) -> DraftTreeBatch:
+                      config: TreeConfig | None = None, check_inputs: bool = True) -> DraftTreeBatch:
     """B draft trees at once, each with exactly min(remain_total, pool size) + 1 nodes.
 
     topk_tokens [B, L, K] int64 target ids, topk_probs [B, L, K] float, contexts [B, C] int64: the last C tokens of
     each sequence ending with the root token, left-padded with -1 where a sequence is shorter. The n-gram term uses
     the last `ngram.order - 1` tokens of context + path; `ngram=None` or `ngram_weight=0` drops it.
+    `check_inputs=False` skips the value checks (they read back from the device); shapes are always checked.
+    The operators run do not depend on the values: no host synchronisation.
     """
     cfg = config or TreeConfig()
-    _check_search_inputs(topk_tokens, topk_probs, contexts, cfg)
+    _check_search_shapes(topk_tokens, topk_probs, contexts, cfg)
+    if check_inputs:
+        _check_search_values(topk_tokens, topk_probs, contexts)
     b, levels, k = topk_tokens.shape
     device = topk_tokens.device
     use_ngram = ngram is not None and cfg.ngram_weight > 0
@@ -204,7 +208,7 @@ def _select_nodes(scores: torch.Tensor, pool_sizes: list[int], beam_parents: lis
     levels, k = topk_tokens.shape[1], topk_tokens.shape[2]
     device = scores.device
     sizes = torch.tensor(pool_sizes, device=device)
-    level_of = torch.repeat_interleave(torch.arange(levels, device=device), sizes)  # [P]
+    level_of = torch.repeat_interleave(torch.arange(levels, device=device), sizes, output_size=p)  # [P]
     level_start = torch.cumsum(sizes, 0) - sizes  # [L] first pool id of each level
     beam_start = torch.tensor([0] + [t.shape[1] for t in beam_parents[:-1]], device=device).cumsum(0)  # [L]
     r = min(remain_total, p)
@@ -227,7 +231,7 @@ def _select_nodes(scores: torch.Tensor, pool_sizes: list[int], beam_parents: lis
     )
 
 
-def _check_search_inputs(tokens: torch.Tensor, probs: torch.Tensor, contexts: torch.Tensor, cfg: TreeConfig) -> None:
+def _check_search_shapes(tokens: torch.Tensor, probs: torch.Tensor, contexts: torch.Tensor, cfg: TreeConfig) -> None:
     if tokens.dim() != 3:
         raise ValueError(f"topk_tokens must be [B, L, K], got {list(tokens.shape)}")
     if tuple(probs.shape) != tuple(tokens.shape):
@@ -236,16 +240,19 @@ def _check_search_inputs(tokens: torch.Tensor, probs: torch.Tensor, contexts: to
         raise ValueError(f"topk_tokens must be integer and topk_probs float, got {tokens.dtype} and {probs.dtype}")
     if tokens.shape[1] == 0 or tokens.shape[2] == 0:
         raise ValueError(f"need at least one level and one candidate, got {list(tokens.shape)}")
+    if contexts.dim() != 2 or contexts.shape[0] != tokens.shape[0] or contexts.shape[1] == 0:
+        raise ValueError(f"contexts must be [B={tokens.shape[0]}, C>=1], got {list(contexts.shape)}")
+    if cfg.topk != tokens.shape[2]:
+        raise ValueError(f"TreeConfig.topk={cfg.topk} but the candidates have K={tokens.shape[2]} per level")
+
+
+def _check_search_values(tokens: torch.Tensor, probs: torch.Tensor, contexts: torch.Tensor) -> None:
     if bool((tokens < 0).any()):
         raise ValueError(f"topk_tokens hold negative token ids (min {int(tokens.min())})")
     if not bool((torch.isfinite(probs) & (probs >= 0)).all()):
         raise ValueError("topk_probs must be probabilities (finite, >= 0); got NaN or negative values")
-    if contexts.dim() != 2 or contexts.shape[0] != tokens.shape[0] or contexts.shape[1] == 0:
-        raise ValueError(f"contexts must be [B={tokens.shape[0]}, C>=1], got {list(contexts.shape)}")
     if bool((contexts[:, -1] < 0).any()):
         raise ValueError("the last context column must be the root token of every row (got -1 padding there)")
-    if cfg.topk != tokens.shape[2]:
-        raise ValueError(f"TreeConfig.topk={cfg.topk} but the candidates have K={tokens.shape[2]} per level")
 
 
 def score_ranks(scores: torch.Tensor, nodes: torch.Tensor | None = None) -> torch.Tensor:
@@ -257,11 +264,15 @@ def score_ranks(scores: torch.Tensor, nodes: torch.Tensor | None = None) -> torc
     `remain_total=R` from the same candidates holds exactly the nodes of rank < R, and ranks increase from a node to
     its children (scores never increase along a path; a tied child comes after its parent).
 
-    scores [N] node scores (node 0 = root); nodes [a] node indices >= 1 (default: every draft node) -> [a] int64.
+    scores [..., N] node scores (node 0 = root); nodes [..., a] node indices >= 1 (default: every draft node)
+    -> [..., a] int64.
     """
-    draft = scores[1:]
-    index = torch.arange(1, scores.shape[0], device=scores.device)
-    nodes = index if nodes is None else nodes.to(scores.device)
-    own = scores[nodes][:, None]  # [a, 1]
-    before = (draft[None] > own) | ((draft[None] == own) & (index[None] < nodes[:, None]))  # [a, N-1]
-    return before.sum(dim=1)
+    n = scores.shape[-1]
+    draft = scores[..., None, 1:]  # [..., 1, N-1]
+    index = torch.arange(1, n, device=scores.device)
+    if nodes is None:
+        nodes = index.expand(*scores.shape[:-1], n - 1)
+    nodes = nodes.to(scores.device)
+    own = scores.gather(-1, nodes)[..., None]  # [..., a, 1]
+    before = (draft > own) | ((draft == own) & (index < nodes[..., None]))  # [..., a, N-1]
+    return before.sum(dim=-1)

@@ -210,7 +210,8 @@ def measure_latency(model, sizes: Iterable[int], layer_ids: Sequence[int] = (), 
     block = torch.randint(0, vocab, (1, max(sizes)), generator=gen).to(device)
     cache = DynamicCache(config=model.config)
     model(input_ids=context, past_key_values=cache, use_cache=True)
-    no_nodes = torch.zeros(0, dtype=torch.long, device=device)
+    no_nodes = torch.zeros(1, 0, dtype=torch.long, device=device)
+    past_columns = torch.ones(1, context_length, dtype=torch.bool, device=device)
 
     def timed(run) -> float:
         _sync(device)
@@ -222,8 +223,8 @@ def measure_latency(model, sizes: Iterable[int], layer_ids: Sequence[int] = (), 
         return elapsed
 
     def verify(k: int) -> None:
-        chain = torch.ones(k, k, dtype=torch.bool).tril()  # the mask's shape matters, not which tree it encodes
-        mask = tree_attention_mask(chain, context_length, dtype).to(device)
+        chain = torch.ones(1, k, k, dtype=torch.bool, device=device).tril()  # the shape matters, not the tree
+        mask = tree_attention_mask(chain, past_columns, dtype)
         positions = torch.arange(context_length, context_length + k, device=device)[None]
         tree_forward(model, block[:, :k], positions, mask, cache, tuple(layer_ids)).logits.float()
 

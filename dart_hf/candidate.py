@@ -51,10 +51,11 @@ class DartCandidateGenerator(CandidateGenerator):
         new_rows = cur - 1 - self.rows
         aux = tapped_hidden_states(model_outputs, self.plan.layer_ids)[:, :new_rows]
         t0 = time.perf_counter()
-        candidates = self.head.draft(aux, input_ids[:, self.rows + 1 : cur], self.head_cache, self.tree_config)
+        candidates = self.head.draft(aux, input_ids[:, self.rows + 1 : cur], None, self.head_cache,
+                                     self.tree_config)
         t1 = time.perf_counter()
         self.rows = cur - 1
-        tree = self.head.build_tree(candidates, input_ids[0, -self.context_len:], self.ngram, self.tree_config)
+        tree = self.head.build_tree(candidates, input_ids[:, -self.context_len:], self.ngram, self.tree_config)[0]
         chain = best_full_depth_path(tree.tokens, tree.parents, tree.depths, tree.scores)
         self.stats.head_time += t1 - t0
         self.stats.tree_time += time.perf_counter() - t1

@@ -1,4 +1,5 @@
-"""DART tree decoding as a `generate(custom_generate=...)` callable: draft a tree, verify it in one target forward."""
+"""DART tree decoding as a `generate(custom_generate=...)` callable: per sequence of the batch, draft a tree; verify
+all trees in one target forward."""
 
 from __future__ import annotations
 
@@ -8,24 +9,27 @@ from typing import Optional
 
 import torch
 
-from dart_core import DartHead, DraftTreeBatch, TreeConfig, verify_tree
+from dart_core import DartHead, DraftTreeBatch, TreeConfig, verify_greedy, verify_tree
 from dart_core.head import id_outside_vocab
 from dart_core.matmul import few_row_linears
-from dart_core.tree import DraftTree, score_ranks
+from dart_core.tree import score_ranks
 from dart_hf.target import (TargetPlan, check_attention, check_cache, first_eos, keep_accepted_path, plan_for,
-                            tapped_hidden_states, tree_attention_mask, tree_forward)
+                            prompt_positions, tapped_hidden_states, tree_attention_mask, tree_forward)
 
 
 @dataclasses.dataclass
 class DartStats:
     """Per-call statistics of DART decoding.
 
-    accepted_lengths: accepted draft tokens of each verify step (the bonus token not counted).
-    accepted_ranks: for each verify step, the selection rank of each accepted node (`dart_core.tree.score_ranks`:
+    accepted_lengths: accepted draft tokens of each sequence at each verify step (the bonus token not counted); one
+        entry per sequence still decoding, `batch_rows` says whose.
+    batch_rows: the caller's batch row of each entry of `accepted_lengths`.
+    forwards: target forwards over trees (one per verify step, whatever the batch size).
+    accepted_ranks: for each entry of `accepted_lengths`, the selection rank of each accepted node (`dart_core.tree.score_ranks`:
         0-based position among the tree's draft nodes by score). A tree of R nodes built from the same candidates
         holds exactly the nodes of rank < R, so under greedy decoding it would have accepted the leading ranks < R
         (`accepted_within`, `tau_at`; see `dart_hf.calibration`). Filled by the tree loop only.
-    tau: mean tokens produced per verify step, bonus included (before stopping criteria cut the last block).
+    tau: mean tokens produced per sequence and verify step, bonus included (before stopping criteria cut the last block).
     Times are wall-clock seconds: prefill (target + head on the prompt), head forwards (an `Eagle3Head`: all its
     draft levels with their top-k expansions), tree searches (an `Eagle3Head`: the final node selection), verify
     steps and, within those, the tree mask build, the target forwards, the acceptance and the KV compaction. With
@@ -37,7 +41,9 @@ class DartStats:
     prompt_tokens: int = 0
     new_tokens: int = 0
     accepted_lengths: list[int] = dataclasses.field(default_factory=list)
+    batch_rows: list[int] = dataclasses.field(default_factory=list)
     accepted_ranks: list[list[int]] = dataclasses.field(default_factory=list)
+    forwards: int = 0
     tree_nodes: int = 0
     prefill_time: float = 0.0
     head_time: float = 0.0
@@ -62,6 +68,13 @@ class DartStats:
     @property
     def tau(self) -> float:
         return (sum(self.accepted_lengths) + self.steps) / self.steps if self.steps else 0.0
+
+    def tau_by_row(self) -> dict[int, float]:
+        """tau of each batch row."""
+        out: dict[int, list[int]] = {}
+        for row, accepted in zip(self.batch_rows, self.accepted_lengths):
+            out.setdefault(row, []).append(accepted)
+        return {row: 1.0 + sum(a) / len(a) for row, a in sorted(out.items())}
 
     def accepted_within(self, remain_total: int) -> list[int]:
         """Per verify step: draft tokens a tree of `remain_total` nodes would have accepted from the same state
@@ -100,67 +113,104 @@ def dart_decoding(model, input_ids: torch.LongTensor, logits_processor, stopping
     """Tree decoding loop for `model.generate(..., custom_generate=dart_decoding, dart_head=head)`: `prefill`, then
     `draft` and `verify_step` until a stopping criterion holds on an accepted prefix (docs/DESIGN.md §1.3).
 
-    Output is exactly what `generate()` returns without DART (greedy: token for token; sampling: same distribution).
-    An `Eagle3Head` (the EAGLE3-style baseline) drafts its tree autoregressively instead (`dart_core.eagle3`), with
-    `topk` as its branching, `max_depth` as its number of levels and `remain_total` as its node count; `dart_ngram`
-    does not apply to it.
+    A batch [B, T] must be left-padded (`attention_mask`); every sequence drafts its own tree, one target forward
+    verifies all of them, and a sequence that stops leaves the batch. Output is exactly what `generate()` returns
+    without DART on the same batch (greedy: token for token; sampling: same distribution per sequence), finished
+    sequences padded with `pad_token_id`.
     `dart_ngram` overrides `dart_head.ngram`; `dart_tree_config` overrides `dart_head.tree_config` (default: the
-    reference settings with the target's EOS). Statistics of the call land in `model.dart_stats` (`DartStats`;
-    `dart_sync_timing=True` makes its per-phase times wait for the device).
+    reference settings with the target's EOS). An `Eagle3Head` (the EAGLE3-style baseline) drafts its tree
+    autoregressively instead (`dart_core.eagle3`, batch size 1), with `topk` as its branching, `max_depth` as its
+    number of levels and `remain_total` as its node count; `dart_ngram` does not apply to it. Statistics of the call
+    land in `model.dart_stats` (`DartStats`; `dart_sync_timing=True` makes its per-phase times wait for the device).
     """
     head = dart_head
     if head is None:
         raise ValueError("dart_decoding needs dart_head=<DartHead>")
     streamer = dart_streamer if dart_streamer is not None else streamer
-    plan = _prepare(model, head, input_ids, generation_config, model_kwargs, dart_tokenizer)
+    want_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
+    want_logits = bool(generation_config.return_dict_in_generate and generation_config.output_logits)
+    plan, attention_mask = _prepare(model, head, input_ids, generation_config, model_kwargs, dart_tokenizer, streamer,
+                                    want_scores or want_logits)
     cache = model_kwargs["past_key_values"]
     ngram = dart_ngram if dart_ngram is not None else head.ngram
     tree_config = dart_tree_config or head.tree_config or head.default_tree_config(first_eos(generation_config))
     verifier = _Verifier(model, plan, cache, logits_processor, bool(generation_config.do_sample))
-    want_scores = generation_config.return_dict_in_generate and generation_config.output_scores
-    want_logits = generation_config.return_dict_in_generate and generation_config.output_logits
     scores, raw_logits = [], []
-    stats = DartStats(prompt_tokens=int(input_ids.shape[1]), sync_timing=bool(dart_sync_timing))
+    stats = DartStats(prompt_tokens=int(attention_mask.sum()), sync_timing=bool(dart_sync_timing))
     model.dart_stats = stats
     if streamer is not None:
         streamer.put(input_ids.cpu())
 
-    step = prefill(verifier, input_ids, stats)
-    head_cache = head.new_cache(1)
-    sequence = input_ids
+    context_len = max(ngram.order - 1, 1) if ngram is not None else 1
+    depth = min(tree_config.max_depth or head.draft_length + 1, head.draft_length + 1)  # deepest draft node
+    batch, step = prefill(verifier, input_ids, attention_mask, context_len, stats)
+    head_cache = head.new_cache(input_ids.shape[0])
+    sequences = list(input_ids.split(1))  # [1, L_b] per caller's row, its left padding included
     while True:
-        emitted, finished = _emit(sequence, step.new_tokens, stopping_criteria)
-        if want_scores or want_logits:
-            _record_scores(scores, raw_logits, sequence, step.new_tokens[:emitted], step.path_logits,
-                           verifier.processors, want_scores, want_logits)
-        sequence = torch.cat((sequence, step.new_tokens[None, :emitted]), dim=1)
-        stats.new_tokens += emitted
-        if streamer is not None:
-            streamer.put(step.new_tokens[:emitted].cpu())
-        if finished:
+        finished = []
+        for i, row in enumerate(batch.rows):
+            new_tokens = step.new_ids[i, : step.counts[i]]  # [a+1]
+            emitted, done = _emit(sequences[row], new_tokens, stopping_criteria)
+            if want_scores or want_logits:
+                _record_scores(scores, raw_logits, sequences[row], new_tokens[:emitted],
+                               step.logits[i, step.nodes[i, :emitted]], verifier.processors, want_scores, want_logits)
+            sequences[row] = torch.cat((sequences[row], new_tokens[None, :emitted]), dim=1)
+            stats.new_tokens += emitted
+            if streamer is not None:
+                streamer.put(new_tokens[:emitted].cpu())
+            if done:
+                finished.append(i)
+        if len(finished) == len(batch.rows):
             break
-        tree = draft(head, step, head_cache, sequence, ngram, tree_config, stats)
-        step = verify_step(verifier, tree, sequence, stats)
+        if finished:
+            keep = [i for i in range(len(batch.rows)) if i not in finished]
+            batch, step = _drop_finished(batch, step, head_cache, cache, keep)
+        tree = draft(head, step, head_cache, batch, ngram, tree_config, stats)
+        step = verify_step(verifier, tree, batch, [sequences[row] for row in batch.rows], depth, stats)
 
     if streamer is not None:
         streamer.end()
+    output = _padded(sequences, generation_config)
     if generation_config.return_dict_in_generate:
         from dart_hf.outputs import DartGenerateOutput
 
-        return DartGenerateOutput(sequences=sequence, scores=tuple(scores) if want_scores else None,
+        # with several sequences the cache lost the finished ones' rows: it is not returned
+        returned_cache = cache if generation_config.use_cache and input_ids.shape[0] == 1 else None
+        return DartGenerateOutput(sequences=output, scores=tuple(scores) if want_scores else None,
                                   logits=tuple(raw_logits) if want_logits else None,
-                                  past_key_values=cache if generation_config.use_cache else None, dart_stats=stats)
-    return sequence
+                                  past_key_values=returned_cache, dart_stats=stats)
+    return output
+
+
+@dataclasses.dataclass
+class Batch:
+    """The sequences still decoding and their rows of the target's KV cache (row i of every tensor = rows[i])."""
+
+    rows: list[int]  # the caller's batch row of each sequence
+    columns: torch.Tensor  # [B, S] bool: cache columns holding the sequence's tokens (not padding, not holes)
+    lengths: torch.Tensor  # [B] int64: tokens of each sequence in the cache = the root's position id
+    contexts: torch.Tensor  # [B, C] the last C tokens of each sequence, ending with the root (left-padded with -1)
+
+    def select(self, keep: torch.Tensor) -> "Batch":
+        return Batch([self.rows[i] for i in keep.tolist()], self.columns[keep], self.lengths[keep],
+                     self.contexts[keep])
 
 
 @dataclasses.dataclass
 class Step:
-    """What the prefill or a verify step hands to the next draft: the new tokens and the rows the head reads."""
+    """What the prefill or a verify step hands to emission and the next draft, row i for sequence `Batch.rows[i]`."""
 
-    new_tokens: torch.Tensor  # [a+1] the accepted draft tokens and the bonus token
-    path_logits: torch.Tensor  # [a+1, V] the target logits that chose them
-    aux_rows: torch.Tensor  # [1, R, 3*Ht] the target's tapped hidden states of the head's new real rows
-    head_input_ids: torch.Tensor  # [1, R] the token each of those rows embeds (the next one, docs/DESIGN.md §2.1)
+    counts: list[int]  # new tokens of each sequence: accepted draft tokens + the bonus token
+    new_ids: torch.Tensor  # [B, k] those tokens, right-padded (k = the largest count)
+    nodes: torch.Tensor  # [B, k] the node of each token's logits in `logits` (the path, root first)
+    logits: torch.Tensor  # [B, N, V] the target logits of the verified tree's nodes (the prompt's last: N = 1)
+    aux_rows: torch.Tensor  # [B, R, 3*Ht] the target's tapped hidden states of the head's new rows
+    head_ids: torch.Tensor  # [B, R] the token each of those rows embeds (the next one, docs/DESIGN.md §2.1)
+    head_lengths: torch.Tensor  # [B] how many of the R rows are real
+
+    def select(self, keep: torch.Tensor) -> "Step":
+        return Step([self.counts[i] for i in keep.tolist()], self.new_ids[keep], self.nodes[keep], self.logits[keep],
+                    self.aux_rows[keep], self.head_ids[keep], self.head_lengths[keep])
 
 
 @dataclasses.dataclass
@@ -177,94 +227,144 @@ class _Verifier:
         if self.processors is not None and not len(self.processors):
             self.processors = None
 
-    def accept(self, tree: DraftTree, logits: torch.Tensor, sequence: torch.Tensor):
-        """verify_tree on one tree: logits [1, N, V] of its nodes, `sequence` [1, L] ending with the root."""
-        return verify_tree(DraftTreeBatch.stack([tree]), logits, context_ids=sequence,
-                           logits_processor=self.processors, do_sample=self.do_sample)
+    def accept(self, trees: DraftTreeBatch, logits: torch.Tensor, ancestors: torch.Tensor, max_depth: int,
+               sequences: list[torch.Tensor]):
+        """The accepted path of every tree: logits [B, N, V] of its nodes, ancestors [B, N, N], `sequences` [1, L_b]
+        ending with the roots. Greedy without processors runs on the device without a host synchronisation."""
+        if self.processors is None and not self.do_sample:
+            return verify_greedy(trees, logits, ancestors=ancestors, max_depth=max_depth, validate=False)
+        return verify_tree(trees, logits, context_ids=[s[0] for s in sequences], logits_processor=self.processors,
+                           do_sample=self.do_sample)
 
 
-def prefill(verifier: _Verifier, input_ids: torch.Tensor, stats: DartStats) -> Step:
-    """The target over the prompt [1, n]; its last position picks the first token, verified as a one-node tree so
-    that logits processors and sampling apply exactly as in every later step."""
-    t0 = stats.clock(input_ids.device)
-    n = input_ids.shape[1]
-    out = verifier.model(input_ids=input_ids, position_ids=torch.arange(n, device=input_ids.device)[None],
-                         past_key_values=verifier.cache, use_cache=True,
-                         output_hidden_states=list(verifier.plan.layer_ids))
-    root_only = DraftTree(input_ids[0, -1:], torch.tensor([-1]), torch.tensor([0]), torch.zeros(1))
-    node_logits = out.logits[:, -1:].float()  # [1, 1, V]
-    new_tokens = verifier.accept(root_only, node_logits, input_ids).bonus_token.to(input_ids.device)  # [1]
-    stats.prefill_time = stats.clock(input_ids.device) - t0
-    return Step(new_tokens, node_logits[0], tapped_hidden_states(out, verifier.plan.layer_ids),
-                torch.cat((input_ids[:, 1:], new_tokens[None]), dim=1))
+def prefill(verifier: _Verifier, input_ids: torch.Tensor, attention_mask: torch.Tensor, context_len: int,
+            stats: DartStats) -> tuple[Batch, Step]:
+    """The target over the left-padded prompts [B, T]; each last position picks the first token, verified as a
+    one-node tree so that logits processors and sampling apply exactly as in every later step."""
+    device = input_ids.device
+    t0 = stats.clock(device)
+    b, t = input_ids.shape
+    out = verifier.model(input_ids=input_ids, attention_mask=attention_mask,
+                         position_ids=prompt_positions(attention_mask), past_key_values=verifier.cache,
+                         use_cache=True, output_hidden_states=list(verifier.plan.layer_ids))
+    roots = DraftTreeBatch(input_ids[:, -1:], torch.full((b, 1), -1, device=device),
+                           torch.zeros(b, 1, dtype=torch.long, device=device),
+                           torch.zeros(b, 1, device=device), torch.ones(b, 1, dtype=torch.bool, device=device))
+    logits = out.logits[:, -1:].float()  # [B, 1, V]
+    first = verifier.accept(roots, logits, torch.ones(b, 1, 1, dtype=torch.bool, device=device), 0,
+                            list(input_ids.split(1))).bonus_token  # [B]
+    # the head reads each prompt's real rows from its first one: left-align them (R = the longest prompt)
+    real = attention_mask.sum(dim=1)  # [B]
+    rows = int(real.max())
+    index = (t - real[:, None] + torch.arange(rows, device=device)).clamp(max=t - 1)  # [B, R]
+    shifted = torch.cat((input_ids[:, 1:], first[:, None]), dim=1)  # [B, T] column c: the token after c
+    aux = tapped_hidden_states(out, verifier.plan.layer_ids)
+    tokens = torch.where(attention_mask.bool(), input_ids, -1)
+    contexts = torch.cat((torch.full((b, context_len), -1, device=device), tokens, first[:, None]), dim=1)
+    batch = Batch(list(range(b)), attention_mask.bool(), real, contexts[:, -context_len:])
+    step = Step([1] * b, first[:, None], torch.zeros(b, 1, dtype=torch.long, device=device), logits,
+                aux.gather(1, index[..., None].expand(-1, -1, aux.shape[-1])), shifted.gather(1, index), real)
+    stats.prefill_time = stats.clock(device) - t0
+    return batch, step
 
 
-def draft(head: DartHead, step: Step, head_cache, sequence: torch.Tensor, ngram, tree_config: TreeConfig,
-          stats: DartStats) -> DraftTree:
-    """One drafting pass over the step's new rows (a DART head: one forward with its mask rows) and the tree search
-    (the drafter interface, docs/DESIGN.md §1.2); `sequence` [1, L] ends with the root."""
-    context_len = max(ngram.order - 1, 1) if ngram is not None else 1
-    device = sequence.device
+def draft(head: DartHead, step: Step, head_cache, batch: Batch, ngram, tree_config: TreeConfig,
+          stats: DartStats) -> DraftTreeBatch:
+    """One drafting pass over every sequence's new rows (a DART head: one forward with its mask rows) and the tree
+    search (the drafter interface, docs/DESIGN.md §1.2)."""
+    device = batch.contexts.device
     t0 = stats.clock(device)
     with few_row_linears(head):
-        candidates = head.draft(step.aux_rows, step.head_input_ids, head_cache, tree_config)
+        candidates = head.draft(step.aux_rows, step.head_ids, step.head_lengths, head_cache, tree_config)
     t1 = stats.clock(device)
-    tree = head.build_tree(candidates, sequence[0, -context_len:], ngram, tree_config)
+    trees = head.build_tree(candidates, batch.contexts, ngram, tree_config)
     stats.head_time += t1 - t0
     stats.tree_time += stats.clock(device) - t1
-    stats.tree_nodes = tree.num_nodes
-    return tree
+    stats.tree_nodes = trees.num_nodes
+    return trees
 
 
-def verify_step(verifier: _Verifier, tree: DraftTree, sequence: torch.Tensor, stats: DartStats) -> Step:
-    """One target forward over the tree, acceptance, and the KV cache compacted to the accepted path."""
-    device = sequence.device
+def verify_step(verifier: _Verifier, trees: DraftTreeBatch, batch: Batch, sequences: list[torch.Tensor],
+                max_depth: int, stats: DartStats) -> Step:
+    """One target forward over all trees, acceptance, and the KV cache compacted to the accepted paths (rows that
+    accepted fewer tokens than the longest leave masked holes). One host synchronisation: the accepted paths."""
+    device = batch.contexts.device
     t0 = stats.clock(device)
     dtype = next(verifier.model.parameters()).dtype
     past = verifier.cache.get_seq_length()
-    mask = tree_attention_mask(tree.ancestor_mask(), past, dtype).to(device)
+    ancestors = trees.ancestor_mask()  # [B, N, N]
+    mask = tree_attention_mask(ancestors, batch.columns, dtype)
     t1 = stats.clock(device)
-    out = tree_forward(verifier.model, tree.tokens[None].to(device), (past + tree.depths)[None].to(device), mask,
-                       verifier.cache, verifier.plan.layer_ids)
+    out = tree_forward(verifier.model, trees.tokens, batch.lengths[:, None] + trees.depths, mask, verifier.cache,
+                       verifier.plan.layer_ids)
     t2 = stats.clock(device)
-    logits = out.logits.float()  # [1, N, V]
-    result = verifier.accept(tree, logits, sequence)
-    accepted = int(result.accept_length[0])
-    path = result.accepted_nodes[0, : accepted + 1].to(device)  # root first
+    logits = out.logits.float()  # [B, N, V]
+    result = verifier.accept(trees, logits, ancestors, max_depth, sequences)
+    nodes = result.accepted_nodes.clamp(min=0)  # [B, d+1] root first; past the path: the root
+    path_tokens = trees.tokens.gather(1, nodes)  # [B, d+1]
+    ranks = score_ranks(trees.scores, nodes[:, 1:])  # [B, d]
+    host = torch.cat((result.accept_length[:, None], ranks), dim=1).tolist()  # the step's one synchronisation
+    accepted = [row[0] for row in host]
+    k = max(accepted) + 1
     t3 = stats.clock(device)
-    keep_accepted_path(verifier.cache, past, path)
+    keep_accepted_path(verifier.cache, past, nodes[:, :k])
     t4 = stats.clock(device)
+    real = torch.arange(k, device=device) <= result.accept_length[:, None]  # [B, k]
+    new_ids = torch.cat((path_tokens[:, 1:k], path_tokens[:, :1]), dim=1).scatter(
+        1, result.accept_length[:, None], result.bonus_token[:, None])  # [B, k] accepted tokens, bonus, padding
+    counts = result.accept_length + 1
+    batch.columns = torch.cat((batch.columns, real), dim=1)
+    batch.lengths = batch.lengths + counts
+    batch.contexts = torch.cat((batch.contexts, new_ids), dim=1).gather(
+        1, counts[:, None] + torch.arange(batch.contexts.shape[1], device=device))
+    aux = tapped_hidden_states(out, verifier.plan.layer_ids)
+    step = Step([a + 1 for a in accepted], new_ids, nodes[:, :k], logits,
+                aux.gather(1, nodes[:, :k, None].expand(-1, -1, aux.shape[-1])), new_ids, counts)
+    stats.forwards += 1
+    stats.accepted_lengths += accepted
+    stats.batch_rows += batch.rows
+    stats.accepted_ranks += [row[1 : 1 + row[0]] for row in host]
     stats.mask_time += t1 - t0
     stats.target_time += t2 - t1
     stats.accept_time += t3 - t2
     stats.compact_time += t4 - t3
-    stats.accepted_lengths.append(accepted)
-    stats.accepted_ranks.append(score_ranks(tree.scores, path[1:]).tolist() if accepted else [])
-    new_tokens = torch.cat((tree.tokens[path[1:]].to(device), result.bonus_token.to(device)))  # [a+1]
-    step = Step(new_tokens, logits[0, path], tapped_hidden_states(out, verifier.plan.layer_ids)[:, path],
-                new_tokens[None])
     stats.verify_time += stats.clock(device) - t0
     return step
 
 
-def _prepare(model, head: DartHead, input_ids, generation_config, model_kwargs, tokenizer) -> TargetPlan:
-    """Every check that can fail, before any work."""
+def _drop_finished(batch: Batch, step: Step, head_cache, cache, keep: list[int]) -> tuple[Batch, Step]:
+    """The batch without its finished sequences: rows `keep` of the batch, the step and both caches."""
+    index = torch.tensor(keep, device=batch.contexts.device)
+    cache.batch_select_indices(index)
+    head_cache.select_rows(index)
+    return batch.select(index), step.select(index)
+
+
+def _prepare(model, head: DartHead, input_ids, generation_config, model_kwargs, tokenizer, streamer,
+             want_scores: bool) -> tuple[TargetPlan, torch.Tensor]:
+    """Every check that can fail, before any work -> the plan and the [B, T] attention mask (left padding)."""
     if generation_config.num_beams != 1:
         raise ValueError(f"DART does not combine with beam search (num_beams={generation_config.num_beams})")
     if generation_config.num_return_sequences != 1:
         raise ValueError("DART returns one sequence per prompt (num_return_sequences must be 1)")
-    if input_ids.shape[0] != 1:
-        raise ValueError(f"DART tree decoding runs one sequence at a time (batch size 1); got batch size "
-                         f"{input_ids.shape[0]}. Call generate once per prompt.")
+    batch_size = input_ids.shape[0]
+    if head.max_batch_size is not None and batch_size > head.max_batch_size:
+        raise ValueError(f"{type(head).__name__} drafts at most {head.max_batch_size} sequence(s) at a time; got "
+                         f"batch size {batch_size}")
+    if batch_size > 1 and streamer is not None:
+        raise ValueError("streamers take one sequence (batch size 1), as in transformers; got batch size "
+                         f"{batch_size}")
+    if batch_size > 1 and want_scores:
+        raise ValueError("output_scores / output_logits with dart_head need batch size 1 (sequences of a batch "
+                         "advance by different numbers of tokens per step)")
     if generation_config.return_dict_in_generate and (generation_config.output_attentions
                                                       or generation_config.output_hidden_states):
         raise ValueError("output_attentions / output_hidden_states are not available with dart_head (the target "
                          "runs over draft trees, not one token per step)")
-    mask = model_kwargs.get("attention_mask")
-    if mask is not None and not bool(mask.all()):
-        raise ValueError("DART tree decoding does not support padded inputs (attention_mask with zeros). If the "
-                         "prompt is not padded, generate() may have guessed padding from pad_token_id occurring in "
-                         "it: pass attention_mask=torch.ones_like(input_ids)")
+    attention_mask = model_kwargs.get("attention_mask")
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    _check_left_padding(attention_mask, input_ids)
     if not generation_config.use_cache:
         raise ValueError("DART tree decoding needs use_cache=True")
     vocab = int(model.get_input_embeddings().weight.shape[0])
@@ -278,15 +378,49 @@ def _prepare(model, head: DartHead, input_ids, generation_config, model_kwargs, 
     check_cache(cache)
     if cache.get_seq_length() != 0:
         raise ValueError("DART tree decoding starts from an empty cache (passing past_key_values is not supported)")
-    return plan_for(model, head, tokenizer)
+    return plan_for(model, head, tokenizer), attention_mask
+
+
+def _check_left_padding(attention_mask: torch.Tensor, input_ids: torch.Tensor) -> None:
+    """Each row of the [B, T] mask must be zeros (padding) then ones (tokens), with at least one token."""
+    if tuple(attention_mask.shape) != tuple(input_ids.shape):
+        raise ValueError(f"attention_mask shape {list(attention_mask.shape)} does not match input_ids "
+                         f"{list(input_ids.shape)}")
+    mask = attention_mask.long()
+    if bool(((mask != 0) & (mask != 1)).any()):
+        raise ValueError("attention_mask must hold 0 (padding) and 1 (token) only")
+    empty = (mask.sum(dim=1) == 0).nonzero()
+    if empty.numel():
+        raise ValueError(f"row {int(empty[0])} of the batch is all padding (attention_mask all zeros)")
+    bad = (mask[:, 1:] < mask[:, :-1]).any(dim=1).nonzero()
+    if bad.numel():
+        raise ValueError(f"row {int(bad[0])} has padding after a token: DART needs left padding (set "
+                         "tokenizer.padding_side = 'left'). If the prompt is not padded, generate() may have guessed "
+                         "padding from pad_token_id occurring in it: pass attention_mask=torch.ones_like(input_ids)")
 
 
 def _emit(sequence, new_tokens, stopping_criteria) -> tuple[int, bool]:
-    """How many of `new_tokens` [k] to append: all, or up to the first prefix that meets a stopping criterion."""
+    """How many of `new_tokens` [k] to append to `sequence` [1, L]: all, or up to the first prefix that meets a
+    stopping criterion."""
     for i in range(new_tokens.shape[0]):
         if bool(stopping_criteria(torch.cat((sequence, new_tokens[None, : i + 1]), dim=1), None).any()):
             return i + 1, True
     return new_tokens.shape[0], False
+
+
+def _padded(sequences: list[torch.Tensor], generation_config) -> torch.Tensor:
+    """The sequences [1, L_b] as one [B, max L_b] tensor, shorter ones right-padded with `pad_token_id` as
+    `generate()` pads sequences that finished early."""
+    width = max(s.shape[1] for s in sequences)
+    if all(s.shape[1] == width for s in sequences):
+        return torch.cat(sequences)
+    pad = generation_config.pad_token_id
+    if isinstance(pad, (list, tuple)):
+        pad = pad[0]
+    if pad is None:
+        raise ValueError("sequences finished at different lengths and the generation config has no pad_token_id "
+                         "to pad them with")
+    return torch.cat([torch.nn.functional.pad(s, (0, width - s.shape[1]), value=int(pad)) for s in sequences])
 
 
 def _record_scores(scores, raw_logits, sequence, new_tokens, path_logits, processors, want_scores,

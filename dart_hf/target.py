@@ -67,11 +67,19 @@ def tapped_hidden_states(outputs, layer_ids: tuple[int, ...]) -> torch.Tensor:
     return torch.cat([outputs.hidden_states[i] for i in layer_ids], dim=-1)
 
 
-def tree_attention_mask(ancestors: torch.Tensor, past_len: int, dtype: torch.dtype) -> torch.Tensor:
-    """Additive mask [1, 1, N, past+N]: every node sees the whole past and its own ancestors (and itself)."""
-    n = ancestors.shape[0]
-    see = torch.cat((torch.ones(n, past_len, dtype=torch.bool, device=ancestors.device), ancestors), dim=1)
-    return additive_mask(see[None], dtype)
+def tree_attention_mask(ancestors: torch.Tensor, columns: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask [B, 1, N, S+N]: node i of row b sees the cache columns with columns[b] True (not padding, not a
+    hole left by compaction) and its own ancestors (and itself). ancestors [B, N, N] bool, columns [B, S] bool."""
+    n = ancestors.shape[1]
+    see = torch.cat((columns[:, None, :].expand(-1, n, -1), ancestors), dim=2)
+    return additive_mask(see, dtype)
+
+
+def prompt_positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids [B, T] of a left-padded prompt as `generate()` makes them: real tokens count from 0, padding
+    gets 1."""
+    positions = attention_mask.long().cumsum(-1) - 1
+    return positions.masked_fill(attention_mask == 0, 1)
 
 
 def tree_forward(model, node_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache,
@@ -84,14 +92,17 @@ def tree_forward(model, node_ids: torch.Tensor, positions: torch.Tensor, mask: t
                      use_cache=True, output_hidden_states=list(layer_ids))
 
 
-def keep_accepted_path(cache, past_len: int, path: torch.Tensor) -> None:
-    """Drop the rejected tree nodes from every layer: keep the past and the nodes `path` [k] (tree-block indices)."""
-    keep = past_len + path
-    end = past_len + keep.shape[0]
+def keep_accepted_path(cache, past_len: int, paths: torch.Tensor) -> None:
+    """Drop the rejected tree nodes from every layer: keep the past and, per row b, the nodes paths[b] [B, k]
+    (tree-block indices) moved to the front of its block; the cache ends at past_len + k."""
+    end = past_len + paths.shape[1]
+    index = None
     for layer in cache.layers:
+        if index is None or index.shape[1] != layer.keys.shape[1] or index.shape[3] != layer.keys.shape[3]:
+            index = (past_len + paths)[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
         # accepted rows move to the front of the block in place; the slice is a view (the next update copies anyway)
-        layer.keys[..., past_len:end, :] = layer.keys.index_select(-2, keep)
-        layer.values[..., past_len:end, :] = layer.values.index_select(-2, keep)
+        layer.keys[..., past_len:end, :] = layer.keys.gather(2, index)
+        layer.values[..., past_len:end, :] = layer.values.gather(2, index)
         layer.keys, layer.values = layer.keys[..., :end, :], layer.values[..., :end, :]
 
 

@@ -240,8 +240,15 @@ def test_sampling_keeps_the_target_distribution_and_a_lossy_control_fails(monkey
 def test_bad_input_fails_before_any_work():
     model = dart_hf.enable(tiny_target())
     head = random_head(model)
-    with pytest.raises(ValueError, match="batch size 1"):
-        model.generate(torch.tensor([[1, 2], [3, 4]]), max_new_tokens=4, dart_head=head)
+    pair = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    with pytest.raises(ValueError, match="row 1 has padding after a token: DART needs left padding"):
+        model.generate(pair, attention_mask=torch.tensor([[1, 1, 1], [1, 1, 0]]), max_new_tokens=4, dart_head=head)
+    with pytest.raises(ValueError, match="row 0 of the batch is all padding"):
+        model.generate(pair, attention_mask=torch.tensor([[0, 0, 0], [1, 1, 1]]), max_new_tokens=4, dart_head=head)
+    with pytest.raises(ValueError, match="streamers take one sequence"):
+        model.generate(pair, max_new_tokens=4, dart_head=head, streamer=BaseStreamer())
+    with pytest.raises(ValueError, match="output_scores / output_logits with dart_head need batch size 1"):
+        model.generate(pair, max_new_tokens=4, dart_head=head, return_dict_in_generate=True, output_scores=True)
     with pytest.raises(ValueError, match="num_beams=2"):
         model.generate(PROMPTS[0], max_new_tokens=4, num_beams=2, dart_head=head)
     with pytest.raises(ValueError, match="cannot be combined with assistant_model"):
@@ -250,8 +257,8 @@ def test_bad_input_fails_before_any_work():
         model.generate(PROMPTS[0], max_new_tokens=4, dart_head="head")
     with pytest.raises(ValueError, match="DynamicCache of full-attention layers only"):
         model.generate(PROMPTS[0], max_new_tokens=4, dart_head=head, cache_implementation="static")
-    with pytest.raises(ValueError, match="padded inputs"):
-        model.generate(PROMPTS[0], attention_mask=torch.tensor([[0, 1, 1, 1, 1, 1, 1]]), max_new_tokens=4,
+    with pytest.raises(ValueError, match="padding after a token"):
+        model.generate(PROMPTS[0], attention_mask=torch.tensor([[1, 1, 0, 1, 1, 1, 1]]), max_new_tokens=4,
                        dart_head=head)
 
     other = tiny_target(hidden=48)

@@ -1,0 +1,146 @@
+"""Batched DART in generate(): B left-padded sequences, each exactly what plain generate() gives on the same batch."""
+
+import pytest
+import torch
+from transformers import PreTrainedTokenizerFast, pipeline
+
+import dart_hf
+from dart_core import TreeConfig, VerifyResult, verify_tree
+from hf_models import oracle_head, random_head, tiny_target
+from test_hf import chi_square_pvalue, exact_two_token_distribution
+
+PAD = 0
+
+
+def left_padded(lengths, seed=0, vocab=96):
+    """(input_ids [B, T], attention_mask [B, T]): random prompts of `lengths`, left-padded with PAD."""
+    gen = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.full((len(lengths), width), PAD)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        ids[b, width - n:] = torch.randint(1, vocab, (n,), generator=gen)
+        mask[b, width - n:] = 1
+    return ids, mask
+
+
+def unpadded(row: torch.Tensor, mask_row: torch.Tensor) -> torch.Tensor:
+    """A row of generate()'s output without its left padding (the replay head's reference)."""
+    return row[int((mask_row == 0).sum()):]
+
+
+@pytest.mark.parametrize("lengths", [(7, 3), (2, 9, 5), (4, 11, 1, 8, 6, 3, 10, 2)])
+def test_every_row_equals_plain_generate_on_the_same_padded_batch(lengths):
+    model = dart_hf.enable(tiny_target())
+    ids, mask = left_padded(lengths, seed=len(lengths))
+    kwargs = dict(attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=PAD)
+    plain = model.generate(ids, **kwargs)
+    assert torch.equal(model.generate(ids, dart_head=random_head(model), **kwargs), plain)
+    references = [unpadded(plain[b], mask[b]) for b in range(len(lengths))]
+    out = model.generate(ids, dart_head=oracle_head(model, references, wrong_every=5), **kwargs)
+    assert torch.equal(out, plain)
+    stats = model.dart_stats
+    assert set(stats.tau_by_row()) == set(range(len(lengths))) and min(stats.tau_by_row().values()) > 2.0
+    assert stats.forwards < 20 and stats.new_tokens == 20 * len(lengths)
+
+
+def test_a_row_that_stops_early_is_padded_and_leaves_the_batch():
+    model = dart_hf.enable(tiny_target())
+    ids, mask = left_padded((6, 4, 9), seed=7)
+    full = model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=PAD)
+    eos = int(full[1, ids.shape[1] + 4])  # row 1 ends at its 5th new token (or earlier)
+    kwargs = dict(attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=PAD, eos_token_id=eos)
+    plain = model.generate(ids, **kwargs)
+    assert bool((plain[1, -3:] == PAD).all())  # plain generate padded the finished row
+    references = [unpadded(full[b], mask[b]) for b in range(3)]
+    out = model.generate(ids, dart_head=oracle_head(model, references), **kwargs)
+    assert torch.equal(out, plain)
+    stats = model.dart_stats
+    steps_of = {row: stats.batch_rows.count(row) for row in range(3)}
+    assert steps_of[1] < max(steps_of.values())  # the finished row stopped drafting and verifying
+
+
+def test_batch_of_one_with_left_padding_equals_plain():
+    model = dart_hf.enable(tiny_target())
+    ids, mask = left_padded((5,), seed=3)
+    ids, mask = torch.cat((torch.zeros(1, 3, dtype=torch.long), ids), 1), torch.cat((torch.zeros(1, 3).long(), mask), 1)
+    plain = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=PAD)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=PAD,
+                         dart_head=oracle_head(model, unpadded(plain[0], mask[0])))
+    assert torch.equal(out, plain)
+
+
+# ---- sampling per row ----------------------------------------------------------------------------------------
+
+SMALL_TREE = TreeConfig(topk=4, beam_width=4, remain_total=8)
+PROMPTS = (torch.tensor([[1, 2, 3, 4]]), torch.tensor([[5, 6, 7]]))
+
+
+def sample_pairs_by_row(model, head, ids, mask, draws, seed):
+    torch.manual_seed(seed)
+    vocab = model.config.vocab_size
+    counts = torch.zeros(ids.shape[0], vocab, vocab)
+    accepted = 0
+    for _ in range(draws):
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=True, top_k=0, dart_head=head,
+                             dart_tree_config=SMALL_TREE, pad_token_id=PAD)
+        for b in range(ids.shape[0]):
+            counts[b, out[b, -2], out[b, -1]] += 1
+        accepted += sum(model.dart_stats.accepted_lengths)
+    return counts, accepted
+
+
+def lossy_verify(trees, logits, context_ids=None, logits_processor=None, do_sample=False, generator=None):
+    """A wrong verifier: a row that accepted nothing accepts the root's first child (the head's favourite) anyway."""
+    result = verify_tree(trees, logits, context_ids, logits_processor, do_sample, generator)
+    if trees.num_nodes == 1:
+        return result
+    nodes, lengths, bonus = result.accepted_nodes.clone(), result.accept_length.clone(), result.bonus_token.clone()
+    for b in range(trees.batch_size):
+        if int(lengths[b]) == 0:
+            nodes[b] = -1
+            nodes[b, :2] = torch.tensor([0, 1])
+            lengths[b] = 1
+            bonus[b] = torch.multinomial(torch.softmax(logits[b, 1], -1), 1)[0]
+    return VerifyResult(nodes, lengths, bonus)
+
+
+def test_sampling_keeps_each_rows_distribution_and_a_lossy_control_fails(monkeypatch):
+    model = dart_hf.enable(tiny_target(vocab=8, layers=4, hidden=16, seed=3))
+    ids = torch.tensor([[1, 2, 3, 4], [PAD, 5, 6, 7]])
+    mask = torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]])
+    exact = [exact_two_token_distribution(model, p).flatten() for p in PROMPTS]
+    greedy = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=PAD)
+    head = oracle_head(model, [unpadded(greedy[b], mask[b]) for b in range(2)], draft_length=2)
+    counts, accepted = sample_pairs_by_row(model, head, ids, mask, draws=1500, seed=0)
+    for b in range(2):
+        assert chi_square_pvalue(counts[b].flatten(), exact[b]) > 1e-3
+    assert accepted > 300  # drafts were accepted: the verification, not the bonus alone, made the samples
+
+    monkeypatch.setattr(dart_hf.loop, "verify_tree", lossy_verify)
+    control, _ = sample_pairs_by_row(model, head, ids, mask, draws=800, seed=1)
+    assert max(chi_square_pvalue(control[b].flatten(), exact[b]) for b in range(2)) < 1e-6
+
+
+# ---- pipeline ------------------------------------------------------------------------------------------------
+
+def word_tokenizer(vocab: int) -> PreTrainedTokenizerFast:
+    """A whitespace tokenizer over the words w0..w{vocab-1} (w0 is the pad token), padding on the left."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = {f"w{i}": i for i in range(vocab)}
+    tok = Tokenizer(models.WordLevel(words, unk_token="w1"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="w0", unk_token="w1", padding_side="left")
+
+
+def test_text_generation_pipeline_with_batches():
+    model = dart_hf.enable(tiny_target())
+    tokenizer = word_tokenizer(model.config.vocab_size)
+    texts = ["w5 w17 w33 w2", "w60 w61", "w9 w41 w12 w7 w8 w3", "w44"]
+    generator = pipeline("text-generation", model=model, tokenizer=tokenizer, batch_size=4)
+    kwargs = dict(max_new_tokens=10, do_sample=False)
+    plain = generator(texts, **kwargs)
+    dart = generator(texts, dart_head=random_head(model), **kwargs)
+    assert dart == plain
+    assert set(model.dart_stats.batch_rows) == {0, 1, 2, 3}  # one batch of four through the DART loop
