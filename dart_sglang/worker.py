@@ -2,9 +2,11 @@
 
 Per decode round, for every request of the batch at once: the per-level top-k candidates carried in the batch's
 draft input -> `dart_core.build_draft_trees` (beam search + n-gram prior) -> EAGLE tree ABI -> SGLang's tree build,
-target verify and KV compaction (`EAGLEWorkerV2.verify`) -> one DART head pass per request over its newly accepted
-rows (written to the draft KV pool) plus D mask rows -> the next round's candidates. Prefill does the same over
-the prompt's rows. No multi-step draft decode, no draft attention backends, no draft CUDA graphs.
+target verify and KV compaction (`EAGLEWorkerV2.verify`) -> one DART head pass over all requests of the round:
+their newly accepted rows packed (written to the draft KV pool), each request's last row plus D mask rows attending
+over its own cached rows (padded to the round's longest, `dart_sglang.batching`) -> the next round's candidates.
+Prefill does the same over the prompts' rows. No multi-step draft decode, no draft attention backends, no draft
+CUDA graphs.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from sglang.srt.speculative.eagle_utils import _eagle_prefill_tail_tokens, defau
 from sglang.srt.speculative.eagle_worker_common import build_eagle_verify_input
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
+from .batching import (accepted_rows, gather_padded, last_rows, packed_positions, packed_slots, padded_slots,
+                       shift_within)
 from .models.llama_dart import LlamaForCausalLMDart
 from .settings import DartServeSettings
 from .tree_abi import encode_eagle_trees
@@ -84,34 +88,39 @@ class DartDraftWorker(eagle_v2.EagleDraftWorker):
         return self.draft_runner.model.layer.self_attn.attn
 
     def _write_rows(self, aux: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor):
-        """Store the keys/values of real rows at their token slots in the draft KV pool."""
-        k, v = self.draft_runner.model.real_rows(aux, next_ids, positions)
+        """Store the keys/values of N packed real rows of any requests (aux [N, 3*Ht], next_ids [N], positions [N])
+        at their token slots [N] in the draft KV pool -> the rows' inputs (x [N, 2H], residual [N, H])."""
+        x, residual, k, v = self.draft_runner.model.real_rows(aux, next_ids, positions)
         self.draft_runner.token_to_kv_pool.set_kv_buffer(self._attn, slots, k, v)
+        return x, residual
 
-    def _extend(self, aux: torch.Tensor, next_ids: torch.Tensor, start: int, slots: torch.Tensor,
-                pool_index: int) -> torch.Tensor:
-        """Append T real rows (aux [T, 3*Ht], next_ids [T]) at positions start.. and token slots `slots` [T] to a
-        request, then return its draft logits [D+1, Vd]."""
-        n = next_ids.shape[0]
-        self._write_rows(aux, next_ids, start + torch.arange(n, device=self.device), slots)
-        return self._level_logits(aux[-1], next_ids[-1], start + n, pool_index)
-
-    def _level_logits(self, aux_last, next_id, length: int, pool_index: int) -> torch.Tensor:
-        """[D+1, Vd] logits of a request whose rows 0..length-1 are in the pool (the last one is aux_last/next_id)."""
+    def _level_logits(self, x_last: torch.Tensor, res_last: torch.Tensor, lengths: torch.Tensor,
+                      pool_indices: torch.Tensor) -> torch.Tensor:
+        """[B, D+1, Vd] logits of B requests whose rows 0..lengths[b]-1 are in the pool (the last one's inputs are
+        x_last [B, 2H], res_last [B, H]); pool_indices [B]: their rows of `req_to_token`."""
         pool = self.draft_runner.token_to_kv_pool
-        slots = self.req_to_token_pool.req_to_token[pool_index, :length].long()
+        slots, valid = padded_slots(self.req_to_token_pool.req_to_token, pool_indices, lengths)  # [B, S]
         layer_id = self._attn.layer_id
-        past_k = pool.get_key_buffer(layer_id)[slots]
-        past_v = pool.get_value_buffer(layer_id)[slots]
-        return self.draft_runner.model.draft_logits(aux_last, next_id, length - 1, past_k, past_v)
+        past_k = gather_padded(pool.get_key_buffer(layer_id), slots, valid)  # [B, S, kv, hd]
+        past_v = gather_padded(pool.get_value_buffer(layer_id), slots, valid)
+        return self.draft_runner.model.draft_logits(x_last, res_last, lengths, past_k, past_v)
 
-    def _draft_input(self, logits: list[torch.Tensor], bonus_tokens: torch.Tensor) -> EagleDraftInput:
-        """Per-request logits [D+1, Vd] -> the draft input the next `draft` reads: topk_index/topk_p [B, L, K]
-        (target ids; B may be 0)."""
+    def _head_pass(self, aux: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                   counts: torch.Tensor, pool_indices: torch.Tensor) -> torch.Tensor:
+        """One head forward for all B requests of a round. Their new real rows packed: aux [N, 3*Ht], next_ids
+        [N], positions [N], token slots [N]; request b owns counts[b] >= 1 consecutive rows and row pool_indices[b]
+        of `req_to_token` -> logits [B, D+1, Vd] (one request's rows never see another's)."""
+        x, residual = self._write_rows(aux, next_ids, positions, slots)
+        last = last_rows(counts)  # [B]
+        return self._level_logits(x[last], residual[last], positions[last] + 1, pool_indices)
+
+    def _draft_input(self, logits: torch.Tensor | None, bonus_tokens: torch.Tensor) -> EagleDraftInput:
+        """Logits [B, D+1, Vd] (None: no request) -> the draft input the next `draft` reads: topk_index/topk_p
+        [B, L, K] (target ids; B may be 0)."""
         s = self.settings
         k = s.tree.topk  # <= the draft vocabulary (checked with the server arguments)
-        if logits:
-            ids, probs = topk_draft_tokens(torch.stack(logits)[:, : s.num_levels].float(), k)
+        if logits is not None and logits.shape[0]:
+            ids, probs = topk_draft_tokens(logits[:, : s.num_levels].float(), k)
             if self.hot_token_id is not None:  # on the device since init_lm_head
                 ids = self.hot_token_id[ids]
         else:
@@ -128,21 +137,22 @@ class DartDraftWorker(eagle_v2.EagleDraftWorker):
         if mm_input_embeds is not None:
             raise NotImplementedError("DART does not support multimodal inputs")
         if batch.forward_mode.is_idle():
-            return self._draft_input([], next_token_ids)
-        tails = _eagle_prefill_tail_tokens(batch, next_token_ids)
-        prefix_lens, extend_lens = list(batch.prefix_lens), list(batch.extend_lens)
-        pool_indices = batch.req_pool_indices.tolist()
-        logits, start = [], 0
-        for i, req in enumerate(batch.reqs):
+            return self._draft_input(None, next_token_ids)
+        for req in batch.reqs:
             if not self.sampling_ok and req.sampling_params.top_k != 1:
                 # finish the request with an error after this prefill (its KV stays consistent for the cache)
                 req.to_finish = FINISH_ABORT(SAMPLING_REFUSED.format(device=self.device), HTTPStatus.BAD_REQUEST,
                                              "BadRequestError")
-            rows = slice(start, start + int(extend_lens[i]))
-            next_ids = torch.cat((batch.input_ids[rows][1:], tails[i].reshape(1))).long()
-            logits.append(self._extend(target_hidden_states[rows], next_ids, int(prefix_lens[i]),
-                                       batch.out_cache_loc[rows], int(pool_indices[i])))
-            start = rows.stop
+        tails = _eagle_prefill_tail_tokens(batch, next_token_ids)  # [B]
+        # the prompts' rows, packed back to back as the target computed them: request b has extend_lens[b] rows
+        # after its prefix_lens[b] cached ones
+        n = int(sum(batch.extend_lens))
+        counts = torch.as_tensor(batch.extend_lens, dtype=torch.long, device=self.device)  # [B]
+        starts = torch.as_tensor(batch.prefix_lens, dtype=torch.long, device=self.device)  # [B]
+        positions = packed_positions(starts, counts, n)  # [N]
+        next_ids = shift_within(batch.input_ids[:n].long(), counts, tails.to(self.device))  # [N]
+        logits = self._head_pass(target_hidden_states[:n], next_ids, positions, batch.out_cache_loc[:n], counts,
+                                 batch.req_pool_indices)
         return self._draft_input(logits, next_token_ids)
 
     # ---- a decode round: trees, then the accepted rows ------------------------------------------------------------
@@ -176,14 +186,16 @@ class DartDraftWorker(eagle_v2.EagleDraftWorker):
         q = self.settings.num_draft_tokens
         hidden = batch_result.logits_output.hidden_states  # [B*Q, 3*Ht], accepted path first in each block
         next_ids = batch_result.next_token_ids.long()  # [B*Q], the token after each row
-        accept_lens = batch_result.accept_lens.tolist()  # root + accepted drafts
-        new_lens, pool_indices = batch_result.new_seq_lens.tolist(), batch.req_pool_indices.tolist()
-        logits = []
-        for i in range(len(accept_lens)):
-            a, length, pool_index = int(accept_lens[i]), int(new_lens[i]), int(pool_indices[i])
-            rows = slice(i * q, i * q + a)
-            slots = self.req_to_token_pool.req_to_token[pool_index, length - a: length].long()
-            logits.append(self._extend(hidden[rows], next_ids[rows], length - a, slots, pool_index))
+        counts = batch_result.accept_lens.to(self.device, torch.long)  # [B], root + accepted drafts
+        lengths = batch_result.new_seq_lens.to(self.device, torch.long)  # [B], after them
+        pool_indices = batch.req_pool_indices
+        logits = None
+        if counts.numel():
+            n = int(counts.sum())
+            rows = accepted_rows(counts, q, n)  # [N]: the accepted rows, packed
+            positions = packed_positions(lengths - counts, counts, n)  # [N]
+            slots = packed_slots(self.req_to_token_pool.req_to_token, pool_indices, positions, counts)  # [N]
+            logits = self._head_pass(hidden[rows], next_ids[rows], positions, slots, counts, pool_indices)
         nxt = self._draft_input(logits, batch_result.next_draft_input.bonus_tokens)
         out = batch_result.next_draft_input
         out.topk_p, out.topk_index, out.hidden_states = nxt.topk_p, nxt.topk_index, nxt.hidden_states

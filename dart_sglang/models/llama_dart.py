@@ -3,8 +3,9 @@
 SGLang loads it as the draft model of `--speculative-algorithm DART` (weights, TP-aware linear layers, the target's
 shared embedding, `d2t` -> `hot_token_id`). The DART worker drives it through `real_rows` / `draft_logits`, not
 through SGLang's attention backends: a real row's keys/values depend on that row alone, so they are written to
-SGLang's draft KV pool at the row's token slot (radix-cache sharing keeps working), and the one query block per
-request (last real row + D mask rows) attends over them with plain torch attention.
+SGLang's draft KV pool at the row's token slot (radix-cache sharing keeps working), and the query blocks of all
+requests of a round (each: last real row + D mask rows) attend over them in one plain torch attention call
+(`dart_sglang.batching`: rows packed, each request's cached keys padded to the round's longest).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from sglang.srt.models.llama_eagle3 import LlamaForCausalLMEagle3
+
+from dart_sglang.batching import block_attention, block_positions
 
 
 class LlamaForCausalLMDart(LlamaForCausalLMEagle3):
@@ -41,7 +44,7 @@ class LlamaForCausalLMDart(LlamaForCausalLMEagle3):
             raise ValueError("the DART draft checkpoint has no midlayer.mask_rep: it is not a DART head (an EAGLE3 "
                              "head needs --speculative-algorithm EAGLE3)")
 
-    # ---- the DART forward, one request at a time ------------------------------------------------------------
+    # ---- the DART forward, all requests of a round at once (dart_sglang.batching) ------------------------------
     @property
     def layer(self):
         return self.model.layers[0]
@@ -64,42 +67,38 @@ class LlamaForCausalLMDart(LlamaForCausalLMEagle3):
                 v.reshape(t, attn.num_kv_heads, attn.head_dim))
 
     def real_rows(self, aux_hidden: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor):
-        """Keys/values [T, kv_heads, hd] of T real rows (what the draft KV pool stores for them)."""
-        x, _ = self.row_inputs(aux_hidden, next_ids)
+        """N real rows of any requests, packed (aux_hidden [N, 3*Ht], next_ids [N], positions [N]) -> (x [N, 2H],
+        residual [N, H], k/v [N, kv_heads, hd]): the keys/values are what the draft KV pool stores for them, x and
+        the residual what a request's query block starts from at its last row."""
+        x, residual = self.row_inputs(aux_hidden, next_ids)
         _, k, v = self.qkv(x, positions)
-        return k, v
+        return x, residual, k, v
 
-    def draft_logits(self, aux_last: torch.Tensor, next_id: torch.Tensor, position: int,
+    def draft_logits(self, x_last: torch.Tensor, res_last: torch.Tensor, lengths: torch.Tensor,
                      past_k: torch.Tensor, past_v: torch.Tensor) -> torch.Tensor:
-        """Draft-vocab logits [D+1, Vd] of the last real row (aux_last [3*Ht], next_id [], at `position`) and the D
-        mask rows after it. past_k/past_v [S, kv_heads, hd]: the rows before, the last real row's own included."""
+        """Draft-vocab logits [B, D+1, Vd] of B requests' last real rows (inputs x_last [B, 2H], res_last [B, H], at
+        positions lengths-1) and the D mask rows after each. past_k/past_v [B, S, kv_heads, hd]: each request's
+        rows 0..lengths[b]-1, its last real row's included, padded to S (`batching.gather_padded`)."""
         d = self.draft_length
+        b = x_last.shape[0]
         layer = self.layer
-        x_last, res_last = self.row_inputs(aux_last[None], next_id.reshape(1))
+        h_size = res_last.shape[-1]
         mask_rep = layer.mask_rep.to(x_last.dtype)
-        x = torch.cat((x_last, mask_rep.expand(d, -1)), dim=0)  # [D+1, 2H]
-        residual = torch.cat((res_last, mask_rep[: res_last.shape[-1]].expand(d, -1)), dim=0)  # [D+1, H]
-        positions = position + torch.arange(d + 1, device=x.device)
-        q, k, v = self.qkv(x, positions)
-        # the last real row's k/v are in past (written before); the mask rows' are not
-        keys = torch.cat((past_k.to(k.dtype), k[1:]), dim=0)  # [S+D, kv, hd]
-        values = torch.cat((past_v.to(v.dtype), v[1:]), dim=0)
-        s = past_k.shape[0]
-        # query j (0 = last real row at column s-1) sees columns <= s-1+j
-        see = torch.arange(s + d, device=x.device)[None, :] <= (s - 1 + torch.arange(d + 1, device=x.device))[:, None]
+        x = torch.cat((x_last[:, None], mask_rep.expand(b, d, -1)), dim=1)  # [B, D+1, 2H]
+        residual = torch.cat((res_last[:, None], mask_rep[:h_size].expand(b, d, -1)), dim=1)  # [B, D+1, H]
+        positions = block_positions(lengths, d)  # [B, D+1]
+        q, k, v = self.qkv(x.reshape(b * (d + 1), -1), positions.reshape(-1))
+        q, k, v = (t.reshape(b, d + 1, *t.shape[1:]) for t in (q, k, v))
+        # the last real rows' k/v are in past (written before); the mask rows' are not
         attn = layer.self_attn
-        groups = attn.num_heads // attn.num_kv_heads
-        keys = keys.repeat_interleave(groups, dim=1).transpose(0, 1)  # [heads, S+D, hd]
-        values = values.repeat_interleave(groups, dim=1).transpose(0, 1)
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=see[None],
-                                             scale=attn.scaling)  # [heads, D+1, hd]
-        out, _ = attn.o_proj(out.transpose(0, 1).reshape(d + 1, attn.num_heads * attn.head_dim))
-        h = residual + out
+        out = block_attention(q, k[:, 1:], v[:, 1:], past_k, past_v, lengths, attn.scaling)  # [B, D+1, heads*hd]
+        out, _ = attn.o_proj(out.reshape(b * (d + 1), -1))
+        h = residual.reshape(b * (d + 1), h_size) + out
         h = h + layer.mlp(layer.post_attention_layernorm(h))
         # the reference applies the final norm in forward and again in compute_logits
         h = self.model.norm(self.model.norm(h))
         # SGLang pads the lm_head rows to a multiple of 64: keep the draft vocabulary only
-        return F.linear(h, self.lm_head.weight[: self.config.draft_vocab_size])
+        return F.linear(h, self.lm_head.weight[: self.config.draft_vocab_size]).reshape(b, d + 1, -1)
 
 
 EntryClass = [LlamaForCausalLMDart]

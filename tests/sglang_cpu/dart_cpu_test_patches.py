@@ -21,8 +21,10 @@ def apply() -> None:
 
 
 def _record_head_logits(log_file: str) -> None:
-    """Wrap the DART worker so every draft pass is recomputed with `dart_core.DartHead` (stateless, from the rows
-    written so far) and the largest logit difference is appended to `log_file` as one JSON line."""
+    """Wrap the DART worker so every request of every head pass is recomputed with `dart_core.DartHead` (stateless,
+    from that request's rows written so far) and appended to `log_file` as one JSON line: the largest logit
+    difference, the request's rows, the pass's batch size, and how many head passes (row writes, attention
+    passes) its round made."""
     import json
 
     import torch
@@ -31,30 +33,56 @@ def _record_head_logits(log_file: str) -> None:
     from dart_sglang.worker import DartDraftWorker
 
     write_rows, level_logits = DartDraftWorker._write_rows, DartDraftWorker._level_logits
+    rounds = {"prefill": "_draft_extend_for_prefill", "decode": "_draft_extend_for_decode"}
 
     def recording_write_rows(self, aux, next_ids, positions, slots):
         rows = self.__dict__.setdefault("_test_rows", {})
         for a, i, s in zip(aux.float().cpu(), next_ids.tolist(), slots.tolist()):
             rows[s] = (a, i)
+        self.__dict__.setdefault("_test_round", {}).setdefault("writes", 0)
+        self._test_round["writes"] += 1
         return write_rows(self, aux, next_ids, positions, slots)
 
-    def checked_level_logits(self, aux_last, next_id, length, pool_index):
-        logits = level_logits(self, aux_last, next_id, length, pool_index)
+    def checked_level_logits(self, x_last, res_last, lengths, pool_indices):
+        logits = level_logits(self, x_last, res_last, lengths, pool_indices)
         if "_test_head" not in self.__dict__:
             head = DartHead.from_pretrained(self.server_args.speculative_draft_model_path, load_ngram=False).float()
             # SGLang pads the embedding table to a multiple of 64 rows
             embed = self.draft_runner.model.model.embed_tokens.weight.detach().float().cpu()[: head.config.vocab_size]
             head.set_input_embeddings(torch.nn.Embedding.from_pretrained(embed))
             self._test_head = head
-        slots = self.req_to_token_pool.req_to_token[pool_index, :length].tolist()
-        aux = torch.stack([self._test_rows[s][0] for s in slots])[None]
-        ids = torch.tensor([[self._test_rows[s][1] for s in slots]])
-        with torch.no_grad():
-            expected = self._test_head(aux, ids)[0]
-        diff = float((logits.float().cpu() - expected).abs().max())
-        with open(log_file, "a") as fh:
-            fh.write(json.dumps({"rows": length, "max_abs_diff": diff}) + "\n")
+        record = self.__dict__.setdefault("_test_round", {})
+        record["passes"] = record.get("passes", 0) + 1
+        batch = len(lengths)
+        for b, (length, pool_index) in enumerate(zip(lengths.tolist(), pool_indices.tolist())):
+            slots = self.req_to_token_pool.req_to_token[pool_index, :length].tolist()
+            aux = torch.stack([self._test_rows[s][0] for s in slots])[None]
+            ids = torch.tensor([[self._test_rows[s][1] for s in slots]])
+            with torch.no_grad():
+                expected = self._test_head(aux, ids)[0]
+            diff = float((logits[b].float().cpu() - expected).abs().max())
+            same_top = bool(torch.equal(logits[b].float().cpu().argmax(-1), expected.argmax(-1)))
+            record.setdefault("lines", []).append({"rows": length, "max_abs_diff": diff, "same_argmax": same_top,
+                                                   "batch": batch})
         return logits
+
+    def counting(kind, extend):
+        def wrapped(self, *args, **kwargs):
+            index = self.__dict__.get("_test_round_index", 0)
+            self._test_round_index, self._test_round = index + 1, {}
+            try:
+                return extend(self, *args, **kwargs)
+            finally:
+                record = self._test_round
+                with open(log_file, "a") as fh:
+                    for line in record.get("lines", []):
+                        line.update(kind=kind, round=index, head_passes=record.get("passes", 0),
+                                    row_writes=record.get("writes", 0))
+                        fh.write(json.dumps(line) + "\n")
+
+        return wrapped
 
     DartDraftWorker._write_rows = recording_write_rows
     DartDraftWorker._level_logits = checked_level_logits
+    for kind, name in rounds.items():
+        setattr(DartDraftWorker, name, counting(kind, getattr(DartDraftWorker, name)))
