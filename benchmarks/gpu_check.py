@@ -188,9 +188,10 @@ def plain_block(model, encoded: list[torch.Tensor], max_new_tokens: int, repeats
     return summary, outputs
 
 
-def dart_block(model, head, tree_config, encoded: list[torch.Tensor], plain_outputs: list, max_new_tokens: int,
-               repeats: int, unsynced_prompts: int, plain: dict, log) -> dict:
-    """DART with `tree_config` over every prompt, compared with the plain outputs of the same repeat."""
+def dart_block(model, head, tree_config, graph: bool, encoded: list[torch.Tensor], plain_outputs: list,
+               max_new_tokens: int, repeats: int, unsynced_prompts: int, plain: dict, log) -> dict:
+    """DART with `tree_config` (and `dart_cuda_graph=graph`) over every prompt, compared with the plain outputs of
+    the same repeat."""
     rows = []
     sums = {name: 0.0 for name in PHASES}
     wall = prefill = 0.0
@@ -199,7 +200,7 @@ def dart_block(model, head, tree_config, encoded: list[torch.Tensor], plain_outp
     for r in range(repeats):
         for i, ids in enumerate(encoded):
             out, t = timed_generate(model, ids, max_new_tokens, dart_head=head, dart_tree_config=tree_config,
-                                    dart_sync_timing=True)
+                                    dart_sync_timing=True, dart_cuda_graph=graph)
             stats = model.dart_stats
             n = out.shape[1] - ids.shape[1]
             mismatch = first_mismatch(out, plain_outputs[r][i], ids.shape[1])
@@ -223,7 +224,7 @@ def dart_block(model, head, tree_config, encoded: list[torch.Tensor], plain_outp
     per_step["draft_ms"] = per_step["head_ms"] + per_step["tree_ms"]
     per_step["other_ms"] = step_ms - per_step["head_ms"] - per_step["tree_ms"] - per_step["verify_ms"]
     tokens_per_s = new / wall if wall else 0.0
-    row = {"remain_total": tree_config.remain_total, "tree_nodes_max": max(nodes_seen, default=0),
+    row = {"remain_total": tree_config.remain_total, "cuda_graph": graph, "tree_nodes_max": max(nodes_seen, default=0),
            "prompts": len(rows), "identical": identical, "identity": identical == len(rows),
            "new_tokens": new, "wall_s": wall, "tokens_per_s": tokens_per_s,
            "speedup": tokens_per_s / plain["tokens_per_s"] if plain["tokens_per_s"] else 0.0,
@@ -236,7 +237,7 @@ def dart_block(model, head, tree_config, encoded: list[torch.Tensor], plain_outp
     row["overhead_goal_met"] = (row["overhead_fraction"] <= OVERHEAD_GOAL if encoded[0].device.type == "cuda"
                                 and row["overhead_fraction"] is not None else None)
     if unsynced_prompts:
-        row["unsynced"] = unsynced_block(model, head, tree_config, encoded[:unsynced_prompts], max_new_tokens,
+        row["unsynced"] = unsynced_block(model, head, tree_config, graph, encoded[:unsynced_prompts], max_new_tokens,
                                          [r for r in rows if r["repeat"] == 0][:unsynced_prompts],
                                          plain_outputs[0][:unsynced_prompts])
         row["identity"] = row["identity"] and row["unsynced"]["identical"] == row["unsynced"]["prompts"]
@@ -244,13 +245,14 @@ def dart_block(model, head, tree_config, encoded: list[torch.Tensor], plain_outp
     return row
 
 
-def unsynced_block(model, head, tree_config, encoded, max_new_tokens, synced_rows, plain_outputs) -> dict:
+def unsynced_block(model, head, tree_config, graph, encoded, max_new_tokens, synced_rows, plain_outputs) -> dict:
     """The same prompts without `dart_sync_timing`: ms per step with and without the phase synchronisations (and
     the outputs checked against plain's too)."""
     wall = prefill = 0.0
     steps = identical = 0
     for ids, plain in zip(encoded, plain_outputs):
-        out, t = timed_generate(model, ids, max_new_tokens, dart_head=head, dart_tree_config=tree_config)
+        out, t = timed_generate(model, ids, max_new_tokens, dart_head=head, dart_tree_config=tree_config,
+                                dart_cuda_graph=graph)
         identical += first_mismatch(out, plain, ids.shape[1]) is None
         wall += t
         prefill += model.dart_stats.prefill_time
@@ -264,37 +266,43 @@ def unsynced_block(model, head, tree_config, encoded, max_new_tokens, synced_row
             "sync_cost_ms_per_step": synced_ms - unsynced_ms}
 
 
+def runs_of(args) -> list[tuple[str, tuple[int, bool]]]:
+    """(label, (draft nodes, CUDA graph)) of every DART block: "60", "60+graph", ..."""
+    return [(f"{n}+graph" if graph else str(n), (n, graph)) for n in args.nodes for graph in args.cuda_graph]
+
+
 def run_dtype(dtype_name: str, args, prompts: list[str], progress: Progress, result: dict, save) -> None:
     device = torch.device(args.device)
     dtype = getattr(torch, dtype_name)
     entry = result["dtypes"].setdefault(dtype_name, {"trees": {}, "skipped": []})
     if progress.elapsed > args.budget_s:
-        entry["skipped"] = ["plain"] + [str(n) for n in args.nodes]
+        entry["skipped"] = ["plain"] + [label for label, _ in runs_of(args)]
         progress(f"{dtype_name}: skipped (past the {args.budget_s:.0f} s budget)")
         return
     progress(f"{dtype_name}: loading on {device}")
     model, tokenizer, head = load(device, dtype)
     base = head.tree_config or head.default_tree_config(tokenizer.eos_token_id)
-    configs = {n: dataclasses.replace(base, remain_total=n) for n in args.nodes}
+    configs = {label: (dataclasses.replace(base, remain_total=n), graph) for label, (n, graph) in runs_of(args)}
     entry["tree_config"] = base.to_dict()
     encoded = [encode(tokenizer, text, device) for text in prompts]
     warm = encoded[0]
     timed_generate(model, warm, WARMUP_TOKENS)
-    for config in configs.values():
-        timed_generate(model, warm, WARMUP_TOKENS, dart_head=head, dart_tree_config=config, dart_sync_timing=True)
-        timed_generate(model, warm, WARMUP_TOKENS, dart_head=head, dart_tree_config=config)
+    for config, graph in configs.values():  # also captures the CUDA graphs (kept with the head)
+        timed_generate(model, warm, WARMUP_TOKENS, dart_head=head, dart_tree_config=config, dart_sync_timing=True,
+                       dart_cuda_graph=graph)
+        timed_generate(model, warm, WARMUP_TOKENS, dart_head=head, dart_tree_config=config, dart_cuda_graph=graph)
     progress(f"{dtype_name}: warmed up; plain decoding")
     plain, outputs = plain_block(model, encoded, args.max_new_tokens, args.repeats, progress)
     entry["plain"] = plain
     progress(f"{dtype_name} plain: {plain['tokens_per_s']:.1f} tok/s, {plain['step_ms']:.2f} ms/step")
     save()
-    for nodes, config in configs.items():
+    for nodes, (config, graph) in configs.items():
         if progress.elapsed > args.budget_s:
             entry["skipped"].append(str(nodes))
             progress(f"{dtype_name} DART {nodes} nodes: skipped (past the {args.budget_s:.0f} s budget)")
             continue
         progress(f"{dtype_name}: DART, {nodes} draft nodes")
-        row = dart_block(model, head, config, encoded, outputs, args.max_new_tokens, args.repeats,
+        row = dart_block(model, head, config, graph, encoded, outputs, args.max_new_tokens, args.repeats,
                          min(args.unsynced_prompts, len(encoded)), plain, progress)
         entry["trees"][str(nodes)] = row
         progress(f"{dtype_name} DART {nodes} nodes: {row['identical']}/{row['prompts']} identical, "
@@ -373,6 +381,9 @@ def parse_args(argv=None):
     parser.add_argument("--budget-s", type=float, default=270.0,
                         help="start no block after this many seconds (default 270)")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--cuda-graph", default=None,
+                        help="off, on or off,on: DART runs without / with dart_cuda_graph (default: off,on on CUDA, "
+                             "off elsewhere)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "gpu_check.json"),
                         help="JSON to write (default benchmarks/results/gpu_check.json)")
     args = parser.parse_args(argv)
@@ -391,6 +402,10 @@ def parse_args(argv=None):
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.unsynced_prompts < 0:
         parser.error("--unsynced-prompts must be >= 0")
+    modes = args.cuda_graph or ("off,on" if args.device.startswith("cuda") else "off")
+    if not set(modes.split(",")) <= {"off", "on"}:
+        parser.error("--cuda-graph takes off, on or off,on")
+    args.cuda_graph = [mode == "on" for mode in modes.split(",")]
     return args
 
 
@@ -409,6 +424,7 @@ def main(argv=None) -> int:
                            "prompts_sha256": hashlib.sha256("\n".join(prompts).encode()).hexdigest(),
                            "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
                            "unsynced_prompts": args.unsynced_prompts, "budget_s": args.budget_s,
+                           "cuda_graph": args.cuda_graph,
                            "warmup_tokens": WARMUP_TOKENS, "overhead_goal_fraction": OVERHEAD_GOAL,
                            "sync_timing": True, "greedy": True, "batch_size": 1},
               "dtypes": {}}

@@ -13,6 +13,7 @@ from torch import nn
 from dart_core.config import CONFIG_NAME, DartConfig, TreeConfig
 from dart_core.errors import DartInputError
 from dart_core.io import atomic_write, is_inside, load_safetensors_checked, save_safetensors_atomic
+from dart_core.ngram import NGramModel
 from dart_core.tree import DraftTreeBatch, build_draft_trees, topk_draft_tokens
 
 WEIGHTS_NAME = "model.safetensors"
@@ -203,11 +204,15 @@ class DartHead(nn.Module):
         self._embedding_from_checkpoint = False  # a table loaded with the weights is saved with them again
         self.ngram = None
         self.tree_config: Optional[TreeConfig] = None
+        self.graphed_searches: dict = {}  # CUDA graphs of the decoding loop's tree search, kept with the head
 
     def _apply(self, fn, recurse=True):
-        """`.to()`/`.half()` move the RoPE frequencies but keep them float32 (a bf16 copy would shift positions)."""
+        """`.to()`/`.half()` move the RoPE frequencies but keep them float32 (a bf16 copy would shift positions);
+        `.to(device)` moves the n-gram prior too."""
         out = super()._apply(fn, recurse)
         self.inv_freq = rope_inv_freq(self.config).to(self.inv_freq.device)
+        if isinstance(self.ngram, NGramModel):  # the n-gram prior follows the head's device (the search runs there)
+            self.ngram = self.ngram.to(self.inv_freq.device)
         return out
 
     # ---- embeddings and vocab -------------------------------------------------------------------------------

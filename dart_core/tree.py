@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -156,11 +157,9 @@ def build_draft_trees(topk_tokens: torch.Tensor, topk_probs: torch.Tensor, conte
     b, levels, k = topk_tokens.shape
     device = topk_tokens.device
     use_ngram = ngram is not None and cfg.ngram_weight > 0
+    plan = _search_plan(cfg, levels, k, device)
     f32 = dict(dtype=torch.float32, device=device)
-    lw = torch.tensor([cfg.level_weight(level) for level in range(levels)], **f32)  # [L]
-    ow = torch.tensor([cfg.logit_weight(level) for level in range(levels)], **f32)  # [L]
-    nw = torch.tensor(cfg.ngram_weight, **f32)
-    logit_term = torch.log(topk_probs.float() + LOG_EPS) * ow[:, None]  # [B, L, K]
+    logit_term = torch.log(topk_probs.float() + LOG_EPS) * plan.logit_weights[:, None]  # [B, L, K]
     eos_penalty = None
     if cfg.eos_token_id is not None:
         # EOS extensions sort after every other one when the next beam is chosen
@@ -169,7 +168,7 @@ def build_draft_trees(topk_tokens: torch.Tensor, topk_probs: torch.Tensor, conte
     beam_scores = torch.zeros(b, 1, **f32)  # [B, nb]
     beam_state = ngram.context_state(contexts)[:, None] if use_ngram else None  # [B, nb, S]
     beam_parents = [torch.full((b, 1), -1, dtype=torch.long, device=device)]  # per level: pool id of each beam
-    pool_scores, pool_sizes = [], []
+    pool_scores = []
     offset = 0
     for level in range(levels):
         nb = beam_scores.shape[1]
@@ -178,10 +177,9 @@ def build_draft_trees(topk_tokens: torch.Tensor, topk_probs: torch.Tensor, conte
         if use_ngram and level > 0:
             q = ngram.state_probability(beam_state.reshape(b * nb, -1),
                                         tokens[:, None, :].expand(b, nb, k).reshape(b * nb, k), validate=False)
-            term = term + torch.log(q.view(b, nb, k) + LOG_EPS) * nw
-        cand = (beam_scores[:, :, None] + lw[level] * term).reshape(b, nb * k)  # [B, nb*K], index = beam*K + token
+            term = term + torch.log(q.view(b, nb, k) + LOG_EPS) * cfg.ngram_weight
+        cand = (beam_scores[:, :, None] + plan.level_weights[level] * term).reshape(b, nb * k)  # [B, nb*K]: beam*K+token
         pool_scores.append(cand)
-        pool_sizes.append(nb * k)
         if level + 1 < levels:
             key = cand if eos_penalty is None else cand.double() - eos_penalty[:, level].repeat(1, nb)
             order = torch.sort(key, dim=1, descending=True, stable=True).indices[:, : cfg.beam_width]  # [B, nb']
@@ -193,11 +191,39 @@ def build_draft_trees(topk_tokens: torch.Tensor, topk_probs: torch.Tensor, conte
                                                  new_tok.reshape(-1)).view(b, order.shape[1], -1)
             beam_parents.append(offset + order)
         offset += nb * k
-    return _select_nodes(torch.cat(pool_scores, dim=1), pool_sizes, beam_parents, topk_tokens, contexts[:, -1],
+    return _select_nodes(torch.cat(pool_scores, dim=1), plan, beam_parents, topk_tokens, contexts[:, -1],
                          cfg.remain_total)
 
 
-def _select_nodes(scores: torch.Tensor, pool_sizes: list[int], beam_parents: list[torch.Tensor],
+@dataclasses.dataclass(frozen=True)
+class _SearchPlan:
+    """The search's constants for one (config, levels, K, device): made once, so the search itself creates no
+    tensor from host data (a CUDA graph can capture it)."""
+
+    level_weights: torch.Tensor  # [L] lw(l)
+    logit_weights: torch.Tensor  # [L] ow(l)
+    level_of: torch.Tensor  # [P] level of each pool entry
+    level_start: torch.Tensor  # [L] first pool id of each level
+    beam_start: torch.Tensor  # [L] first beam of each level in the concatenated beam parents
+
+
+@functools.lru_cache(maxsize=64)
+def _search_plan(cfg: TreeConfig, levels: int, k: int, device: torch.device) -> _SearchPlan:
+    beams = [1]  # beams extended at each level
+    for _ in range(levels - 1):
+        beams.append(min(cfg.beam_width, beams[-1] * k))
+    f32 = dict(dtype=torch.float32, device=device)
+    sizes = torch.tensor([nb * k for nb in beams], device=device)  # [L] pool entries of each level
+    return _SearchPlan(
+        level_weights=torch.tensor([cfg.level_weight(level) for level in range(levels)], **f32),
+        logit_weights=torch.tensor([cfg.logit_weight(level) for level in range(levels)], **f32),
+        level_of=torch.repeat_interleave(torch.arange(levels, device=device), sizes),
+        level_start=torch.cumsum(sizes, 0) - sizes,
+        beam_start=torch.tensor([0] + beams[:-1], device=device).cumsum(0),
+    )
+
+
+def _select_nodes(scores: torch.Tensor, plan: _SearchPlan, beam_parents: list[torch.Tensor],
                   topk_tokens: torch.Tensor, root: torch.Tensor, remain_total: int) -> DraftTreeBatch:
     """The best `remain_total` pool entries as a tree.
 
@@ -207,10 +233,7 @@ def _select_nodes(scores: torch.Tensor, pool_sizes: list[int], beam_parents: lis
     b, p = scores.shape
     levels, k = topk_tokens.shape[1], topk_tokens.shape[2]
     device = scores.device
-    sizes = torch.tensor(pool_sizes, device=device)
-    level_of = torch.repeat_interleave(torch.arange(levels, device=device), sizes, output_size=p)  # [P]
-    level_start = torch.cumsum(sizes, 0) - sizes  # [L] first pool id of each level
-    beam_start = torch.tensor([0] + [t.shape[1] for t in beam_parents[:-1]], device=device).cumsum(0)  # [L]
+    level_of, level_start, beam_start = plan.level_of, plan.level_start, plan.beam_start
     r = min(remain_total, p)
     # stable sort: equal scores keep pool order, so a parent (earlier level) precedes an equal-scored child
     best = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :r]  # [B, R]

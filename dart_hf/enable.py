@@ -16,10 +16,11 @@ class DartGenerationMixin:
     transformers' assisted loop with a `DartCandidateGenerator`; everything else is the model's own `generate`."""
 
     def generate(self, inputs=None, generation_config=None, *, dart_head: DartHead | None = None, dart_ngram=None,
-                 dart_tree_config=None, dart_sync_timing: bool = False, **kwargs):
+                 dart_tree_config=None, dart_sync_timing: bool = False, dart_cuda_graph: bool = False, **kwargs):
         if dart_head is None:
-            if dart_ngram is not None or dart_tree_config is not None or dart_sync_timing:
-                raise ValueError("dart_ngram / dart_tree_config / dart_sync_timing need dart_head=<DartHead>")
+            if dart_ngram is not None or dart_tree_config is not None or dart_sync_timing or dart_cuda_graph:
+                raise ValueError("dart_ngram / dart_tree_config / dart_sync_timing / dart_cuda_graph need "
+                                 "dart_head=<DartHead>")
             return super().generate(inputs, generation_config, **kwargs)
         if not isinstance(dart_head, DartHead):
             raise TypeError(f"dart_head must be a dart_core.DartHead, got {type(dart_head).__name__}")
@@ -38,7 +39,8 @@ class DartGenerationMixin:
             kwargs["stopping_criteria"] = _with_stop_strings(kwargs.get("stopping_criteria"), stop_strings, tokenizer)
         kwargs["custom_generate"] = functools.partial(
             dart_decoding, dart_head=dart_head, dart_ngram=dart_ngram, dart_tree_config=dart_tree_config,
-            dart_streamer=streamer, dart_tokenizer=tokenizer, dart_sync_timing=dart_sync_timing)
+            dart_streamer=streamer, dart_tokenizer=tokenizer, dart_sync_timing=dart_sync_timing,
+            dart_cuda_graph=dart_cuda_graph)
         return super().generate(inputs, generation_config, **kwargs)
 
     def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
@@ -67,7 +69,7 @@ def enable(model):
     """Give `model` (a transformers causal LM) DART generation in place; returns the same object.
 
     The class keeps its name (pipelines and logging look at it); `generate()` learns `dart_head=`, `dart_ngram=`,
-    `dart_tree_config=`, `dart_sync_timing=` and accepts a `DartHead` as `assistant_model`.
+    `dart_tree_config=`, `dart_sync_timing=`, `dart_cuda_graph=` and accepts a `DartHead` as `assistant_model`.
     """
     cls = type(model)
     if issubclass(cls, DartGenerationMixin):

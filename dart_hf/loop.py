@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from typing import Optional
 
 import torch
@@ -13,6 +14,7 @@ from dart_core import DartHead, DraftTreeBatch, TreeConfig, verify_greedy, verif
 from dart_core.head import id_outside_vocab
 from dart_core.matmul import few_row_linears
 from dart_core.tree import score_ranks
+from dart_hf.cuda_graph import CudaGraphed
 from dart_hf.target import (TargetPlan, check_attention, check_cache, first_eos, keep_accepted_path, plan_for,
                             prompt_positions, tapped_hidden_states, tree_attention_mask, tree_forward)
 
@@ -109,7 +111,7 @@ class DartStats:
 def dart_decoding(model, input_ids: torch.LongTensor, logits_processor, stopping_criteria, generation_config,
                   synced_gpus: bool = False, streamer=None, *, dart_head: Optional[DartHead] = None, dart_ngram=None,
                   dart_tree_config: Optional[TreeConfig] = None, dart_streamer=None, dart_tokenizer=None,
-                  dart_sync_timing: bool = False, **model_kwargs):
+                  dart_sync_timing: bool = False, dart_cuda_graph: bool = False, **model_kwargs):
     """Tree decoding loop for `model.generate(..., custom_generate=dart_decoding, dart_head=head)`: `prefill`, then
     `draft` and `verify_step` until a stopping criterion holds on an accepted prefix (docs/DESIGN.md §1.3).
 
@@ -122,6 +124,8 @@ def dart_decoding(model, input_ids: torch.LongTensor, logits_processor, stopping
     autoregressively instead (`dart_core.eagle3`, batch size 1), with `topk` as its branching, `max_depth` as its
     number of levels and `remain_total` as its node count; `dart_ngram` does not apply to it. Statistics of the call
     land in `model.dart_stats` (`DartStats`; `dart_sync_timing=True` makes its per-phase times wait for the device).
+    `dart_cuda_graph=True` replays the tree search and the trees' ancestor masks from a CUDA graph (CUDA only;
+    elsewhere, or for a drafter whose candidates are not plain tensors, they run eagerly).
     """
     head = dart_head
     if head is None:
@@ -145,6 +149,12 @@ def dart_decoding(model, input_ids: torch.LongTensor, logits_processor, stopping
     depth = min(tree_config.max_depth or head.draft_length + 1, head.draft_length + 1)  # deepest draft node
     batch, step = prefill(verifier, input_ids, attention_mask, context_len, stats)
     head_cache = head.new_cache(input_ids.shape[0])
+    search = TreeSearch(head, ngram, tree_config)
+    if dart_cuda_graph:
+        if input_ids.device.type != "cuda":
+            warnings.warn(f"dart_cuda_graph=True applies on CUDA only; on {input_ids.device.type} the tree search "
+                          "runs eagerly", stacklevel=3)
+        search = _graphed(search)
     sequences = list(input_ids.split(1))  # [1, L_b] per caller's row, its left padding included
     while True:
         finished = []
@@ -165,8 +175,8 @@ def dart_decoding(model, input_ids: torch.LongTensor, logits_processor, stopping
         if finished:
             keep = [i for i in range(len(batch.rows)) if i not in finished]
             batch, step = _drop_finished(batch, step, head_cache, cache, keep)
-        tree = draft(head, step, head_cache, batch, ngram, tree_config, stats)
-        step = verify_step(verifier, tree, batch, [sequences[row] for row in batch.rows], depth, stats)
+        trees, ancestors = draft(head, search, step, head_cache, batch, tree_config, stats)
+        step = verify_step(verifier, trees, ancestors, batch, [sequences[row] for row in batch.rows], depth, stats)
 
     if streamer is not None:
         streamer.end()
@@ -268,31 +278,53 @@ def prefill(verifier: _Verifier, input_ids: torch.Tensor, attention_mask: torch.
     return batch, step
 
 
-def draft(head: DartHead, step: Step, head_cache, batch: Batch, ngram, tree_config: TreeConfig,
-          stats: DartStats) -> DraftTreeBatch:
+@dataclasses.dataclass
+class TreeSearch:
+    """The drafter's tree search and the trees' ancestor masks: (candidates, contexts [B, C]) -> (trees,
+    ancestors [B, N, N]). Fixed shapes, no host synchronisation: what `dart_cuda_graph` replays."""
+
+    head: DartHead
+    ngram: object
+    tree_config: TreeConfig
+
+    def __call__(self, candidates, contexts: torch.Tensor) -> tuple[DraftTreeBatch, torch.Tensor]:
+        trees = self.head.build_tree(candidates, contexts, self.ngram, self.tree_config)
+        return trees, trees.ancestor_mask()
+
+
+def _graphed(search: TreeSearch) -> CudaGraphed:
+    """The CUDA-graphed tree search of a head, n-gram and tree config, kept with the head so that later calls
+    replay the graphs captured by earlier ones."""
+    key = (search.ngram, search.tree_config)
+    if key not in search.head.graphed_searches:
+        search.head.graphed_searches[key] = CudaGraphed(search)
+    return search.head.graphed_searches[key]
+
+
+def draft(head: DartHead, search, step: Step, head_cache, batch: Batch, tree_config: TreeConfig,
+          stats: DartStats) -> tuple[DraftTreeBatch, torch.Tensor]:
     """One drafting pass over every sequence's new rows (a DART head: one forward with its mask rows) and the tree
-    search (the drafter interface, docs/DESIGN.md §1.2)."""
+    search (`TreeSearch`; the drafter interface, docs/DESIGN.md §1.2) -> (trees, ancestors [B, N, N])."""
     device = batch.contexts.device
     t0 = stats.clock(device)
     with few_row_linears(head):
         candidates = head.draft(step.aux_rows, step.head_ids, step.head_lengths, head_cache, tree_config)
     t1 = stats.clock(device)
-    trees = head.build_tree(candidates, batch.contexts, ngram, tree_config)
+    trees, ancestors = search(candidates, batch.contexts)
     stats.head_time += t1 - t0
     stats.tree_time += stats.clock(device) - t1
     stats.tree_nodes = trees.num_nodes
-    return trees
+    return trees, ancestors
 
 
-def verify_step(verifier: _Verifier, trees: DraftTreeBatch, batch: Batch, sequences: list[torch.Tensor],
-                max_depth: int, stats: DartStats) -> Step:
+def verify_step(verifier: _Verifier, trees: DraftTreeBatch, ancestors: torch.Tensor, batch: Batch,
+                sequences: list[torch.Tensor], max_depth: int, stats: DartStats) -> Step:
     """One target forward over all trees, acceptance, and the KV cache compacted to the accepted paths (rows that
     accepted fewer tokens than the longest leave masked holes). One host synchronisation: the accepted paths."""
     device = batch.contexts.device
     t0 = stats.clock(device)
     dtype = next(verifier.model.parameters()).dtype
     past = verifier.cache.get_seq_length()
-    ancestors = trees.ancestor_mask()  # [B, N, N]
     mask = tree_attention_mask(ancestors, batch.columns, dtype)
     t1 = stats.clock(device)
     out = tree_forward(verifier.model, trees.tokens, batch.lengths[:, None] + trees.depths, mask, verifier.cache,

@@ -285,3 +285,14 @@ def test_enable_keeps_the_class_name_and_is_idempotent():
     assert dart_hf.enable(dart_hf.enable(model)) is model
     assert type(model).__name__ == name and isinstance(model, dart_hf.DartGenerationMixin)
     assert math.isfinite(model.generate(PROMPTS[1], max_new_tokens=2).float().sum())
+
+
+def test_cuda_graph_flag_falls_back_to_eager_off_cuda():
+    model = dart_hf.enable(tiny_target())
+    plain = model.generate(PROMPTS[0], max_new_tokens=16, do_sample=False)
+    with pytest.warns(UserWarning, match="dart_cuda_graph=True applies on CUDA only"):
+        out = model.generate(PROMPTS[0], max_new_tokens=16, do_sample=False, dart_cuda_graph=True,
+                             dart_head=oracle_head(model, plain[0]))
+    assert torch.equal(out, plain) and model.dart_stats.tau > 2.0
+    with pytest.raises(ValueError, match="need dart_head"):
+        model.generate(PROMPTS[0], max_new_tokens=4, dart_cuda_graph=True)
