@@ -66,6 +66,11 @@ from results_io import write_results  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_PROMPT_FILE = REPO.parent / "shared" / "data" / "mt_bench_questions.jsonl"
 PHASES = ("head", "tree", "mask", "target", "accept", "compact", "verify")
+# Token-for-token identity with plain greedy is required in float32 (exit status 1 otherwise). In bfloat16 / float16
+# a multi-token forward (the tree) rounds differently from a one-token forward, so greedy outputs drift apart at
+# near-ties: transformers' own prompt-lookup decoding does the same (BENCHMARKS.md, benchmarks/low_precision_identity.py);
+# identity there is reported, not required.
+EXACT_DTYPES = ("float32", "float64")
 OVERHEAD_GOAL = 0.15  # overhead per step as a fraction of a plain step, H100/H200-class GPU, SmolLM2-135M
 WARMUP_TOKENS = 16
 
@@ -331,7 +336,10 @@ def environment(device: torch.device) -> dict:
 
 
 def git_commit() -> Optional[str]:
-    """HEAD of the checkout (with "+dirty" when tracked files differ), else $DART_SPEC_COMMIT, else None."""
+    """$DART_SPEC_COMMIT when set (a copied tree's .git can be stale), else HEAD of the checkout (with "+dirty"
+    when tracked files differ), else None."""
+    if os.environ.get("DART_SPEC_COMMIT"):
+        return os.environ["DART_SPEC_COMMIT"]
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
         if head.returncode == 0:
@@ -340,7 +348,7 @@ def git_commit() -> Optional[str]:
             return head.stdout.strip() + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         pass
-    return os.environ.get("DART_SPEC_COMMIT") or None
+    return None
 
 
 def table(result: dict) -> str:
@@ -437,13 +445,18 @@ def main(argv=None) -> int:
              f"nodes {args.nodes}, {len(prompts)} prompts x {args.max_new_tokens} tokens")
     for dtype_name in args.dtypes:
         run_dtype(dtype_name, args, prompts, progress, result, save)
-    rows = [row for entry in result["dtypes"].values() for row in entry["trees"].values()]
+    exact = [row for name, entry in result["dtypes"].items() if name in EXACT_DTYPES for row in entry["trees"].values()]
+    reduced = [row for name, entry in result["dtypes"].items() if name not in EXACT_DTYPES
+               for row in entry["trees"].values()]
     skipped = [s for entry in result["dtypes"].values() for s in entry.get("skipped", [])]
-    result["identity"] = all(row["identity"] for row in rows) if rows else None
+    result["identity"] = all(row["identity"] for row in exact) if exact else None
+    result["identity_reduced_precision"] = all(row["identity"] for row in reduced) if reduced else None
     result["complete"] = not skipped
     save()
     print(table(result))
     verdict = {True: "100%", False: "BROKEN", None: "not checked"}[result["identity"]]
+    if result["identity_reduced_precision"] is False:
+        verdict += " (float32); bfloat16/float16 outputs differ from plain's: expected, see EXACT_DTYPES"
     print(f"wrote {args.out} ({progress.elapsed:.1f} s); identity {verdict}"
           + ("" if result["complete"] else f"; skipped: {skipped}"), flush=True)
     if result["identity"] is False:

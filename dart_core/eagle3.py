@@ -66,7 +66,9 @@ class Eagle3Head(DartHead):
                   lengths: Optional[torch.Tensor] = None):
         """aux [B, T, 3Ht], ids [B, T] -> (h [B, T, H] layer outputs, k/v [B, kv, T, hd], lengths [B]) of every
         real row (not cached here)."""
-        h, k, v, lengths = self._attend_rows(aux_hidden, shifted_ids, cache, lengths, 0)
+        self._check_inputs(aux_hidden, shifted_ids, cache, lengths)
+        lengths = self._lengths(shifted_ids, lengths)
+        h, k, v = self._attend_rows(aux_hidden, shifted_ids, lengths, *self._past(cache, aux_hidden), 0)
         return h + self.midlayer.mlp(self.midlayer.post_attention_layernorm(h)), k, v, lengths
 
     def forward(self, aux_hidden: torch.Tensor, shifted_ids: torch.Tensor, cache: Optional[DartHeadCache] = None,
@@ -115,9 +117,10 @@ class Eagle3Head(DartHead):
     max_batch_size = 1  # the chain rows of one sequence fill the cache's scratch space
 
     def draft(self, aux_rows: torch.Tensor, new_ids: torch.Tensor, lengths: Optional[torch.Tensor],
-              cache: DartHeadCache, tree_config: TreeConfig) -> "DraftCandidates":
+              cache: DartHeadCache, tree_config: TreeConfig, cuda_graph: bool = False) -> "DraftCandidates":
         """D+1 (or `tree_config.max_depth`) autoregressive levels with `tree_config.topk` as branching and beam, for
-        one sequence whose T new rows are all real (`lengths` is None or [T])."""
+        one sequence whose T new rows are all real (`lengths` is None or [T]). Runs eagerly (its shapes change with
+        the levels), whatever `cuda_graph` says."""
         return self.draft_candidates(aux_rows, new_ids, cache, tree_config.topk, tree_config.max_depth)
 
     def build_tree(self, candidates: "DraftCandidates", contexts: torch.Tensor, ngram,

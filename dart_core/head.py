@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from typing import Any, Optional
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dart_core.config import CONFIG_NAME, DartConfig, TreeConfig
+from dart_core.cuda_graph import CudaGraphed
 from dart_core.errors import DartInputError
 from dart_core.io import atomic_write, is_inside, load_safetensors_checked, save_safetensors_atomic
 from dart_core.ngram import NGramModel
@@ -204,15 +206,16 @@ class DartHead(nn.Module):
         self._embedding_from_checkpoint = False  # a table loaded with the weights is saved with them again
         self.ngram = None
         self.tree_config: Optional[TreeConfig] = None
-        self.graphed_searches: dict = {}  # CUDA graphs of the decoding loop's tree search, kept with the head
+        self.cuda_graphs: dict = {}  # the decoding loop's CUDA-graphed step parts, kept with the head (dart_hf.loop)
 
     def _apply(self, fn, recurse=True):
         """`.to()`/`.half()` move the RoPE frequencies but keep them float32 (a bf16 copy would shift positions);
-        `.to(device)` moves the n-gram prior too."""
+        `.to(device)` moves the n-gram prior too and drops captured CUDA graphs."""
         out = super()._apply(fn, recurse)
         self.inv_freq = rope_inv_freq(self.config).to(self.inv_freq.device)
         if isinstance(self.ngram, NGramModel):  # the n-gram prior follows the head's device (the search runs there)
             self.ngram = self.ngram.to(self.inv_freq.device)
+        self.cuda_graphs.clear()  # they read the old parameter tensors
         return out
 
     # ---- embeddings and vocab -------------------------------------------------------------------------------
@@ -264,8 +267,20 @@ class DartHead(nn.Module):
         `check_inputs=False` skips the checks that read values back from the device (token range, lengths), for
         callers whose inputs are valid by construction (the decoding loop).
         """
+        if check_inputs:
+            self._check_inputs(aux_hidden, shifted_ids, cache, lengths)
+        lengths = self._lengths(shifted_ids, lengths)
+        logits, k, v = self.step(aux_hidden, shifted_ids, lengths, *self._past(cache, aux_hidden))
+        if cache is not None:
+            cache.append(k, v, lengths)
+        return logits
+
+    def step(self, aux_hidden: torch.Tensor, shifted_ids: torch.Tensor, lengths: torch.Tensor,
+             past_keys: torch.Tensor, past_values: torch.Tensor, past_lengths: torch.Tensor):
+        """`forward` as a pure function of the cached rows: past_keys/values [B, kv, S, hd] (columns past
+        past_lengths[b] unread) -> (logits [B, D+1, draft_vocab], k/v [B, kv, T, hd] of the new rows)."""
         d = self.config.draft_length
-        h, k, v, lengths = self._attend_rows(aux_hidden, shifted_ids, cache, lengths, d, check_inputs)  # [B, T+D, H]
+        h, k, v = self._attend_rows(aux_hidden, shifted_ids, lengths, past_keys, past_values, past_lengths, d)
         b, t = shifted_ids.shape
         layer = self.midlayer
 
@@ -274,24 +289,35 @@ class DartHead(nn.Module):
         idx = torch.cat((last_real[:, None], t + torch.arange(d, device=h.device).expand(b, d)), dim=1)  # [B, D+1]
         h = torch.gather(h, 1, idx[..., None].expand(b, d + 1, h.shape[-1]))
         h = h + layer.mlp(layer.post_attention_layernorm(h))
-        if cache is not None:
-            cache.append(k[:, :, :t], v[:, :, :t], lengths)
         # the reference applies the final norm in forward and again in compute_logits
-        return self.lm_head(self.norm(self.norm(h)))
+        return self.lm_head(self.norm(self.norm(h))), k[:, :, :t], v[:, :, :t]
 
-    def _attend_rows(self, aux_hidden: torch.Tensor, shifted_ids: torch.Tensor, cache: Optional[DartHeadCache],
-                     lengths: Optional[torch.Tensor], num_mask_rows: int, check_inputs: bool = True):
-        """Inputs checked, then the layer's attention over the T real rows and `num_mask_rows` mask rows ->
-        (h [B, T+M, H] after the attention residual, k/v [B, kv, T+M, hd], lengths [B]). Nothing is cached here."""
-        if check_inputs:
-            b, t = self._check_inputs(aux_hidden, shifted_ids, cache, lengths)
-        else:
-            self._require_embeddings()
-            b, t = shifted_ids.shape
-        device = aux_hidden.device
-        if lengths is None:
-            lengths = torch.full((b,), t, dtype=torch.long, device=device)
-        past = cache.lengths if cache is not None else torch.zeros(b, dtype=torch.long, device=device)
+    @staticmethod
+    def _lengths(shifted_ids: torch.Tensor, lengths: Optional[torch.Tensor]) -> torch.Tensor:
+        """Real rows of each batch row: `lengths`, by default all T."""
+        if lengths is not None:
+            return lengths
+        b, t = shifted_ids.shape
+        return torch.full((b,), t, dtype=torch.long, device=shifted_ids.device)
+
+    def _past(self, cache: Optional[DartHeadCache], like: torch.Tensor, capacity: bool = False):
+        """(keys, values [B, kv, S, hd], lengths [B]) of the cache (S: its span, or its whole capacity), or empty."""
+        if cache is None:
+            b = like.shape[0]
+            cfg = self.config
+            empty = torch.zeros(b, cfg.num_key_value_heads, 0, cfg.head_dim, dtype=self.fc.weight.dtype,
+                                device=like.device)
+            return empty, empty, torch.zeros(b, dtype=torch.long, device=like.device)
+        span = cache.keys.shape[2] if capacity else cache.span
+        return cache.keys[:, :, :span], cache.values[:, :, :span], cache.lengths
+
+    def _attend_rows(self, aux_hidden: torch.Tensor, shifted_ids: torch.Tensor, lengths: torch.Tensor,
+                     past_keys: torch.Tensor, past_values: torch.Tensor, past: torch.Tensor, num_mask_rows: int):
+        """The layer's attention over the T new rows (the first lengths[b] real) and `num_mask_rows` mask rows, after
+        the cached rows past_keys/values [B, kv, S, hd] (the first past[b] real) -> (h [B, T+M, H] after the
+        attention residual, k/v [B, kv, T+M, hd]). Nothing is cached here."""
+        self._require_embeddings()
+        b, t = shifted_ids.shape
         d = num_mask_rows
         dtype = self.fc.weight.dtype
         layer = self.midlayer
@@ -307,14 +333,14 @@ class DartHead(nn.Module):
 
         positions = row_positions(past, lengths, t, d)  # [B, T+D]
         q, k, v = layer.self_attn.qkv(x, positions, self.inv_freq)
-        span = cache.span if cache is not None else 0
+        span = past_keys.shape[2]
         if span:
-            keys = torch.cat((cache.keys[:, :, :span], k), dim=2)
-            values = torch.cat((cache.values[:, :, :span], v), dim=2)
+            keys = torch.cat((past_keys, k), dim=2)
+            values = torch.cat((past_values, v), dim=2)
         else:
             keys, values = k, v
         mask = step_attention_mask(past, lengths, span, t, d, dtype)  # [B, 1, T+D, span+T+D]
-        return residual + layer.self_attn.attend(q, keys, values, mask), k, v, lengths
+        return residual + layer.self_attn.attend(q, keys, values, mask), k, v
 
     def _require_embeddings(self) -> None:
         if self._embed is None:
@@ -350,13 +376,27 @@ class DartHead(nn.Module):
     max_batch_size: Optional[int] = None  # sequences one `draft` call takes (None: any)
 
     def draft(self, aux_rows: torch.Tensor, new_ids: torch.Tensor, lengths: Optional[torch.Tensor],
-              cache: DartHeadCache, tree_config: TreeConfig) -> tuple[torch.Tensor, torch.Tensor]:
+              cache: DartHeadCache, tree_config: TreeConfig, cuda_graph: bool = False):
         """One drafting pass for B sequences: the new rows aux_rows [B, T, 3*Ht] / new_ids [B, T], of which the first
         lengths[b] are real (None: all; appended to `cache`) -> the candidates `build_tree` takes: per level the
         top-k (target ids [B, L, K], probabilities [B, L, K]), L = D+1 or `tree_config.max_depth`. Inputs are not
-        read back for checks (the decoding loop's are valid by construction)."""
-        logits = self(aux_rows, new_ids, cache=cache, lengths=lengths, check_inputs=False)
-        return topk_draft_tokens(logits[:, : tree_config.max_depth], tree_config.topk, self.d2t)
+        read back for checks (the decoding loop's are valid by construction). `cuda_graph`: replay the forward and
+        top-k from a CUDA graph (attending over the cache's whole capacity, so shapes stay fixed; CUDA only)."""
+        lengths = self._lengths(new_ids, lengths)
+        pass_ = functools.partial(self._draft_pass, topk=tree_config.topk, levels=tree_config.max_depth)
+        if cuda_graph:
+            key = ("draft", tree_config.topk, tree_config.max_depth)
+            pass_ = self.cuda_graphs.setdefault(key, CudaGraphed(pass_))
+        tokens, probs, k, v = pass_(aux_rows, new_ids, lengths, *self._past(cache, aux_rows, capacity=cuda_graph))
+        cache.append(k, v, lengths)
+        return tokens, probs
+
+    def _draft_pass(self, aux_rows, new_ids, lengths, past_keys, past_values, past_lengths, topk: int,
+                    levels: Optional[int]):
+        """`step` and the top-k per level: (tokens, probs [B, L, K], k, v [B, kv, T, hd])."""
+        logits, k, v = self.step(aux_rows, new_ids, lengths, past_keys, past_values, past_lengths)
+        tokens, probs = topk_draft_tokens(logits[:, :levels], topk, self.d2t)
+        return tokens, probs, k, v
 
     def build_tree(self, candidates, contexts: torch.Tensor, ngram, tree_config: TreeConfig) -> DraftTreeBatch:
         """The B draft trees from `draft`'s candidates: the beam search with the n-gram prior (docs/DESIGN.md §2.3);

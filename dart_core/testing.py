@@ -39,14 +39,13 @@ class ReplayHead(DartHead):
                 return reference
         return self.references[0]
 
-    def forward(self, aux_hidden, shifted_ids, cache=None, lengths=None, **kwargs):
-        logits = super().forward(aux_hidden, shifted_ids, cache=cache, lengths=lengths, **kwargs)  # [B, D+1, V]
-        b, t = shifted_ids.shape
-        real = torch.full((b,), t) if lengths is None else lengths.cpu()
-        last = cache.lengths.cpu() - 1 if cache is not None else real - 1
-        out = logits.clone()
+    def step(self, aux_hidden, shifted_ids, lengths, past_keys, past_values, past_lengths):
+        logits, k, v = super().step(aux_hidden, shifted_ids, lengths, past_keys, past_values, past_lengths)
+        last = (past_lengths + lengths - 1).cpu()  # position of each batch row's last real row
+        real = lengths.cpu()
+        out = logits.clone()  # [B, D+1, V]
         draft_of = self._draft_ids()
-        for row in range(b):
+        for row in range(out.shape[0]):
             reference = self._reference_of(int(last[row]), int(shifted_ids[row, int(real[row]) - 1]))
             for j in range(out.shape[1]):
                 pos = int(last[row]) + 2 + j
@@ -56,7 +55,7 @@ class ReplayHead(DartHead):
                         token = (token + 1) % self.config.vocab_size
                     if token in draft_of:
                         out[row, j, draft_of[token]] = out[row, j].max() + 20.0
-        return out
+        return out, k, v
 
     @classmethod
     def from_head(cls, head: DartHead, reference, wrong_every: int = 0) -> "ReplayHead":

@@ -8,6 +8,7 @@ import functools
 import torch
 
 from dart_core.config import TreeConfig
+from dart_core.errors import DartInputError
 
 
 @dataclasses.dataclass
@@ -121,7 +122,7 @@ def topk_draft_tokens(logits: torch.Tensor, k: int, d2t: torch.Tensor | None = N
     logits [..., L, Vd] -> (tokens [..., L, K] target ids, probs [..., L, K] softmax over the K top values only).
     """
     if k > logits.shape[-1]:
-        raise ValueError(f"topk={k} is larger than the draft vocabulary ({logits.shape[-1]})")
+        raise DartInputError(f"topk={k} is larger than the draft vocabulary ({logits.shape[-1]})")
     values, ids = torch.topk(logits.float(), k, dim=-1)
     if d2t is not None:
         ids = ids + d2t[ids]

@@ -4,6 +4,7 @@ all trees in one target forward."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 import warnings
 from typing import Optional
@@ -11,10 +12,11 @@ from typing import Optional
 import torch
 
 from dart_core import DartHead, DraftTreeBatch, TreeConfig, verify_greedy, verify_tree
+from dart_core.cuda_graph import CudaGraphed
+from dart_core.errors import DartInputError
 from dart_core.head import id_outside_vocab
 from dart_core.matmul import few_row_linears
 from dart_core.tree import score_ranks
-from dart_hf.cuda_graph import CudaGraphed
 from dart_hf.target import (TargetPlan, check_attention, check_cache, first_eos, keep_accepted_path, plan_for,
                             prompt_positions, tapped_hidden_states, tree_attention_mask, tree_forward)
 
@@ -124,8 +126,8 @@ def dart_decoding(model, input_ids: torch.LongTensor, logits_processor, stopping
     autoregressively instead (`dart_core.eagle3`, batch size 1), with `topk` as its branching, `max_depth` as its
     number of levels and `remain_total` as its node count; `dart_ngram` does not apply to it. Statistics of the call
     land in `model.dart_stats` (`DartStats`; `dart_sync_timing=True` makes its per-phase times wait for the device).
-    `dart_cuda_graph=True` replays the tree search and the trees' ancestor masks from a CUDA graph (CUDA only;
-    elsewhere, or for a drafter whose candidates are not plain tensors, they run eagerly).
+    `dart_cuda_graph=True` replays the head's drafting pass, the tree search with the trees' ancestor masks and
+    greedy acceptance from CUDA graphs (CUDA only; elsewhere, or for a drafter whose candidates are not plain tensors, they run eagerly).
     """
     head = dart_head
     if head is None:
@@ -139,22 +141,26 @@ def dart_decoding(model, input_ids: torch.LongTensor, logits_processor, stopping
     ngram = dart_ngram if dart_ngram is not None else head.ngram
     tree_config = dart_tree_config or head.tree_config or head.default_tree_config(first_eos(generation_config))
     verifier = _Verifier(model, plan, cache, logits_processor, bool(generation_config.do_sample))
+    context_len = max(ngram.order - 1, 1) if ngram is not None else 1
+    depth = min(tree_config.max_depth or head.draft_length + 1, head.draft_length + 1)  # deepest draft node
+    search = TreeSearch(head, ngram, tree_config)
+    greedy_paths = functools.partial(accepted_greedy_paths, max_depth=depth)
+    if dart_cuda_graph:
+        if input_ids.device.type != "cuda":
+            warnings.warn(f"dart_cuda_graph=True applies on CUDA only; on {input_ids.device.type} the tree search "
+                          "and acceptance run eagerly", stacklevel=3)
+        search = _graphed(head, (ngram, tree_config), search)
+        greedy_paths = _graphed(head, ("greedy_paths", depth), greedy_paths)
+    verifier.greedy_paths = greedy_paths
+    graphs = bool(dart_cuda_graph) and input_ids.device.type == "cuda"
     scores, raw_logits = [], []
     stats = DartStats(prompt_tokens=int(attention_mask.sum()), sync_timing=bool(dart_sync_timing))
     model.dart_stats = stats
     if streamer is not None:
         streamer.put(input_ids.cpu())
 
-    context_len = max(ngram.order - 1, 1) if ngram is not None else 1
-    depth = min(tree_config.max_depth or head.draft_length + 1, head.draft_length + 1)  # deepest draft node
     batch, step = prefill(verifier, input_ids, attention_mask, context_len, stats)
     head_cache = head.new_cache(input_ids.shape[0])
-    search = TreeSearch(head, ngram, tree_config)
-    if dart_cuda_graph:
-        if input_ids.device.type != "cuda":
-            warnings.warn(f"dart_cuda_graph=True applies on CUDA only; on {input_ids.device.type} the tree search "
-                          "runs eagerly", stacklevel=3)
-        search = _graphed(search)
     sequences = list(input_ids.split(1))  # [1, L_b] per caller's row, its left padding included
     while True:
         finished = []
@@ -175,8 +181,8 @@ def dart_decoding(model, input_ids: torch.LongTensor, logits_processor, stopping
         if finished:
             keep = [i for i in range(len(batch.rows)) if i not in finished]
             batch, step = _drop_finished(batch, step, head_cache, cache, keep)
-        trees, ancestors = draft(head, search, step, head_cache, batch, tree_config, stats)
-        step = verify_step(verifier, trees, ancestors, batch, [sequences[row] for row in batch.rows], depth, stats)
+        trees, ancestors = draft(head, search, step, head_cache, batch, tree_config, graphs, stats)
+        step = verify_step(verifier, trees, ancestors, batch, [sequences[row] for row in batch.rows], stats)
 
     if streamer is not None:
         streamer.end()
@@ -233,18 +239,52 @@ class _Verifier:
     processors: object
     do_sample: bool
 
+    greedy_paths: object = None  # `accepted_greedy_paths` with the depth bound (CUDA-graphed or not)
+
     def __post_init__(self) -> None:
         if self.processors is not None and not len(self.processors):
             self.processors = None
 
-    def accept(self, trees: DraftTreeBatch, logits: torch.Tensor, ancestors: torch.Tensor, max_depth: int,
-               sequences: list[torch.Tensor]):
+    def accept(self, trees: DraftTreeBatch, logits: torch.Tensor, ancestors: torch.Tensor,
+               sequences: list[torch.Tensor]) -> "Paths":
         """The accepted path of every tree: logits [B, N, V] of its nodes, ancestors [B, N, N], `sequences` [1, L_b]
         ending with the roots. Greedy without processors runs on the device without a host synchronisation."""
-        if self.processors is None and not self.do_sample:
-            return verify_greedy(trees, logits, ancestors=ancestors, max_depth=max_depth, validate=False)
-        return verify_tree(trees, logits, context_ids=[s[0] for s in sequences], logits_processor=self.processors,
-                           do_sample=self.do_sample)
+        if self.processors is None and not self.do_sample and trees.num_nodes > 1:
+            return Paths(*self.greedy_paths(_tree_tensors(trees), logits, ancestors))
+        result = verify_tree(trees, logits, context_ids=[s[0] for s in sequences], logits_processor=self.processors,
+                             do_sample=self.do_sample)
+        return Paths(*path_summary(trees, result))
+
+
+@dataclasses.dataclass
+class Paths:
+    """The accepted path of every tree of a batch, on the device."""
+
+    accept_length: torch.Tensor  # [B] accepted draft nodes
+    bonus: torch.Tensor  # [B] the token after the last accepted node
+    nodes: torch.Tensor  # [B, d+1] the path's nodes, root first; past the path: the root
+    tokens: torch.Tensor  # [B, d+1] their tokens
+    ranks: torch.Tensor  # [B, d] selection rank of each path node after the root (`score_ranks`)
+
+
+def _tree_tensors(trees: DraftTreeBatch) -> tuple[torch.Tensor, ...]:
+    return tuple(getattr(trees, f.name) for f in dataclasses.fields(trees))
+
+
+def path_summary(trees: DraftTreeBatch, result) -> tuple[torch.Tensor, ...]:
+    """`Paths`' fields from a `VerifyResult` of `trees`."""
+    nodes = result.accepted_nodes.clamp(min=0)  # [B, d+1]
+    return (result.accept_length, result.bonus_token, nodes, trees.tokens.gather(1, nodes),
+            score_ranks(trees.scores, nodes[:, 1:]))
+
+
+def accepted_greedy_paths(tree_tensors: tuple[torch.Tensor, ...], logits: torch.Tensor, ancestors: torch.Tensor,
+                          max_depth: int) -> tuple[torch.Tensor, ...]:
+    """Greedy acceptance of the trees (`DraftTreeBatch` fields) and `Paths`' fields: fixed operators, no host
+    synchronisation (what `dart_cuda_graph` replays)."""
+    trees = DraftTreeBatch(*tree_tensors)
+    result = verify_greedy(trees, logits, ancestors=ancestors, max_depth=max_depth, validate=False)
+    return path_summary(trees, result)
 
 
 def prefill(verifier: _Verifier, input_ids: torch.Tensor, attention_mask: torch.Tensor, context_len: int,
@@ -261,8 +301,8 @@ def prefill(verifier: _Verifier, input_ids: torch.Tensor, attention_mask: torch.
                            torch.zeros(b, 1, dtype=torch.long, device=device),
                            torch.zeros(b, 1, device=device), torch.ones(b, 1, dtype=torch.bool, device=device))
     logits = out.logits[:, -1:].float()  # [B, 1, V]
-    first = verifier.accept(roots, logits, torch.ones(b, 1, 1, dtype=torch.bool, device=device), 0,
-                            list(input_ids.split(1))).bonus_token  # [B]
+    first = verifier.accept(roots, logits, torch.ones(b, 1, 1, dtype=torch.bool, device=device),
+                            list(input_ids.split(1))).bonus  # [B]
     # the head reads each prompt's real rows from its first one: left-align them (R = the longest prompt)
     real = attention_mask.sum(dim=1)  # [B]
     rows = int(real.max())
@@ -292,23 +332,23 @@ class TreeSearch:
         return trees, trees.ancestor_mask()
 
 
-def _graphed(search: TreeSearch) -> CudaGraphed:
-    """The CUDA-graphed tree search of a head, n-gram and tree config, kept with the head so that later calls
-    replay the graphs captured by earlier ones."""
-    key = (search.ngram, search.tree_config)
-    if key not in search.head.graphed_searches:
-        search.head.graphed_searches[key] = CudaGraphed(search)
-    return search.head.graphed_searches[key]
+def _graphed(head: DartHead, key: tuple, fn) -> CudaGraphed:
+    """`fn` behind a CUDA graph, kept with the head under `key` so that later calls replay the graphs captured by
+    earlier ones."""
+    if key not in head.cuda_graphs:
+        head.cuda_graphs[key] = CudaGraphed(fn)
+    return head.cuda_graphs[key]
 
 
-def draft(head: DartHead, search, step: Step, head_cache, batch: Batch, tree_config: TreeConfig,
+def draft(head: DartHead, search, step: Step, head_cache, batch: Batch, tree_config: TreeConfig, cuda_graph: bool,
           stats: DartStats) -> tuple[DraftTreeBatch, torch.Tensor]:
     """One drafting pass over every sequence's new rows (a DART head: one forward with its mask rows) and the tree
     search (`TreeSearch`; the drafter interface, docs/DESIGN.md §1.2) -> (trees, ancestors [B, N, N])."""
     device = batch.contexts.device
     t0 = stats.clock(device)
     with few_row_linears(head):
-        candidates = head.draft(step.aux_rows, step.head_ids, step.head_lengths, head_cache, tree_config)
+        candidates = head.draft(step.aux_rows, step.head_ids, step.head_lengths, head_cache, tree_config,
+                                cuda_graph=cuda_graph)
     t1 = stats.clock(device)
     trees, ancestors = search(candidates, batch.contexts)
     stats.head_time += t1 - t0
@@ -318,7 +358,7 @@ def draft(head: DartHead, search, step: Step, head_cache, batch: Batch, tree_con
 
 
 def verify_step(verifier: _Verifier, trees: DraftTreeBatch, ancestors: torch.Tensor, batch: Batch,
-                sequences: list[torch.Tensor], max_depth: int, stats: DartStats) -> Step:
+                sequences: list[torch.Tensor], stats: DartStats) -> Step:
     """One target forward over all trees, acceptance, and the KV cache compacted to the accepted paths (rows that
     accepted fewer tokens than the longest leave masked holes). One host synchronisation: the accepted paths."""
     device = batch.contexts.device
@@ -331,27 +371,27 @@ def verify_step(verifier: _Verifier, trees: DraftTreeBatch, ancestors: torch.Ten
                        verifier.plan.layer_ids)
     t2 = stats.clock(device)
     logits = out.logits.float()  # [B, N, V]
-    result = verifier.accept(trees, logits, ancestors, max_depth, sequences)
-    nodes = result.accepted_nodes.clamp(min=0)  # [B, d+1] root first; past the path: the root
-    path_tokens = trees.tokens.gather(1, nodes)  # [B, d+1]
-    ranks = score_ranks(trees.scores, nodes[:, 1:])  # [B, d]
-    host = torch.cat((result.accept_length[:, None], ranks), dim=1).tolist()  # the step's one synchronisation
+    paths = verifier.accept(trees, logits, ancestors, sequences)
+    d = paths.ranks.shape[1]
+    # the step's one synchronisation: per row [a, ranks (d), nodes (d+1)]
+    host = torch.cat((paths.accept_length[:, None], paths.ranks, paths.nodes), dim=1).tolist()
     accepted = [row[0] for row in host]
     k = max(accepted) + 1
     t3 = stats.clock(device)
-    keep_accepted_path(verifier.cache, past, nodes[:, :k])
+    at_front = all(row[1 + d : 2 + d + row[0]] == list(range(row[0] + 1)) for row in host)
+    keep_accepted_path(verifier.cache, past, paths.nodes[:, :k], at_front)
     t4 = stats.clock(device)
-    real = torch.arange(k, device=device) <= result.accept_length[:, None]  # [B, k]
-    new_ids = torch.cat((path_tokens[:, 1:k], path_tokens[:, :1]), dim=1).scatter(
-        1, result.accept_length[:, None], result.bonus_token[:, None])  # [B, k] accepted tokens, bonus, padding
-    counts = result.accept_length + 1
+    real = torch.arange(k, device=device) <= paths.accept_length[:, None]  # [B, k]
+    new_ids = torch.cat((paths.tokens[:, 1:k], paths.tokens[:, :1]), dim=1).scatter(
+        1, paths.accept_length[:, None], paths.bonus[:, None])  # [B, k] accepted tokens, bonus, padding
+    counts = paths.accept_length + 1
     batch.columns = torch.cat((batch.columns, real), dim=1)
     batch.lengths = batch.lengths + counts
     batch.contexts = torch.cat((batch.contexts, new_ids), dim=1).gather(
         1, counts[:, None] + torch.arange(batch.contexts.shape[1], device=device))
     aux = tapped_hidden_states(out, verifier.plan.layer_ids)
-    step = Step([a + 1 for a in accepted], new_ids, nodes[:, :k], logits,
-                aux.gather(1, nodes[:, :k, None].expand(-1, -1, aux.shape[-1])), new_ids, counts)
+    step = Step([a + 1 for a in accepted], new_ids, paths.nodes[:, :k], logits,
+                aux.gather(1, paths.nodes[:, :k, None].expand(-1, -1, aux.shape[-1])), new_ids, counts)
     stats.forwards += 1
     stats.accepted_lengths += accepted
     stats.batch_rows += batch.rows
@@ -376,57 +416,57 @@ def _prepare(model, head: DartHead, input_ids, generation_config, model_kwargs, 
              want_scores: bool) -> tuple[TargetPlan, torch.Tensor]:
     """Every check that can fail, before any work -> the plan and the [B, T] attention mask (left padding)."""
     if generation_config.num_beams != 1:
-        raise ValueError(f"DART does not combine with beam search (num_beams={generation_config.num_beams})")
+        raise DartInputError(f"DART does not combine with beam search (num_beams={generation_config.num_beams})")
     if generation_config.num_return_sequences != 1:
-        raise ValueError("DART returns one sequence per prompt (num_return_sequences must be 1)")
+        raise DartInputError("DART returns one sequence per prompt (num_return_sequences must be 1)")
     batch_size = input_ids.shape[0]
     if head.max_batch_size is not None and batch_size > head.max_batch_size:
-        raise ValueError(f"{type(head).__name__} drafts at most {head.max_batch_size} sequence(s) at a time; got "
+        raise DartInputError(f"{type(head).__name__} drafts at most {head.max_batch_size} sequence(s) at a time; got "
                          f"batch size {batch_size}")
     if batch_size > 1 and streamer is not None:
-        raise ValueError("streamers take one sequence (batch size 1), as in transformers; got batch size "
+        raise DartInputError("streamers take one sequence (batch size 1), as in transformers; got batch size "
                          f"{batch_size}")
     if batch_size > 1 and want_scores:
-        raise ValueError("output_scores / output_logits with dart_head need batch size 1 (sequences of a batch "
+        raise DartInputError("output_scores / output_logits with dart_head need batch size 1 (sequences of a batch "
                          "advance by different numbers of tokens per step)")
     if generation_config.return_dict_in_generate and (generation_config.output_attentions
                                                       or generation_config.output_hidden_states):
-        raise ValueError("output_attentions / output_hidden_states are not available with dart_head (the target "
+        raise DartInputError("output_attentions / output_hidden_states are not available with dart_head (the target "
                          "runs over draft trees, not one token per step)")
     attention_mask = model_kwargs.get("attention_mask")
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     _check_left_padding(attention_mask, input_ids)
     if not generation_config.use_cache:
-        raise ValueError("DART tree decoding needs use_cache=True")
+        raise DartInputError("DART tree decoding needs use_cache=True")
     vocab = int(model.get_input_embeddings().weight.shape[0])
     bad = id_outside_vocab(input_ids, vocab)
     if bad is not None:
-        raise ValueError(f"input_ids hold token id {bad}, outside the target vocabulary 0..{vocab - 1}")
+        raise DartInputError(f"input_ids hold token id {bad}, outside the target vocabulary 0..{vocab - 1}")
     check_attention(model)
     cache = model_kwargs.get("past_key_values")
     if cache is None:
-        raise ValueError("generate() prepared no cache; DART needs a DynamicCache")
+        raise DartInputError("generate() prepared no cache; DART needs a DynamicCache")
     check_cache(cache)
     if cache.get_seq_length() != 0:
-        raise ValueError("DART tree decoding starts from an empty cache (passing past_key_values is not supported)")
+        raise DartInputError("DART tree decoding starts from an empty cache (passing past_key_values is not supported)")
     return plan_for(model, head, tokenizer), attention_mask
 
 
 def _check_left_padding(attention_mask: torch.Tensor, input_ids: torch.Tensor) -> None:
     """Each row of the [B, T] mask must be zeros (padding) then ones (tokens), with at least one token."""
     if tuple(attention_mask.shape) != tuple(input_ids.shape):
-        raise ValueError(f"attention_mask shape {list(attention_mask.shape)} does not match input_ids "
+        raise DartInputError(f"attention_mask shape {list(attention_mask.shape)} does not match input_ids "
                          f"{list(input_ids.shape)}")
     mask = attention_mask.long()
     if bool(((mask != 0) & (mask != 1)).any()):
-        raise ValueError("attention_mask must hold 0 (padding) and 1 (token) only")
+        raise DartInputError("attention_mask must hold 0 (padding) and 1 (token) only")
     empty = (mask.sum(dim=1) == 0).nonzero()
     if empty.numel():
-        raise ValueError(f"row {int(empty[0])} of the batch is all padding (attention_mask all zeros)")
+        raise DartInputError(f"row {int(empty[0])} of the batch is all padding (attention_mask all zeros)")
     bad = (mask[:, 1:] < mask[:, :-1]).any(dim=1).nonzero()
     if bad.numel():
-        raise ValueError(f"row {int(bad[0])} has padding after a token: DART needs left padding (set "
+        raise DartInputError(f"row {int(bad[0])} has padding after a token: DART needs left padding (set "
                          "tokenizer.padding_side = 'left'). If the prompt is not padded, generate() may have guessed "
                          "padding from pad_token_id occurring in it: pass attention_mask=torch.ones_like(input_ids)")
 
@@ -450,7 +490,7 @@ def _padded(sequences: list[torch.Tensor], generation_config) -> torch.Tensor:
     if isinstance(pad, (list, tuple)):
         pad = pad[0]
     if pad is None:
-        raise ValueError("sequences finished at different lengths and the generation config has no pad_token_id "
+        raise DartInputError("sequences finished at different lengths and the generation config has no pad_token_id "
                          "to pad them with")
     return torch.cat([torch.nn.functional.pad(s, (0, width - s.shape[1]), value=int(pad)) for s in sequences])
 

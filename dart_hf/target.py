@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 
 from dart_core import DartHead
+from dart_core.errors import DartInputError
 from dart_core.fit import TargetShape, check_fits
 from dart_core.head import additive_mask
 from dart_core.matmul import few_row_linears
@@ -30,13 +31,13 @@ def plan_for(model, head: DartHead, tokenizer=None) -> TargetPlan:
     """
     cfg = model.config.get_text_config()
     if getattr(cfg, "is_encoder_decoder", False) or getattr(model.config, "is_encoder_decoder", False):
-        raise ValueError("DART needs a decoder-only causal LM; got an encoder-decoder model")
+        raise DartInputError("DART needs a decoder-only causal LM; got an encoder-decoder model")
     embedding = model.get_input_embeddings()
     vocab = int(embedding.weight.shape[0])
     shape = TargetShape(int(cfg.hidden_size), vocab, int(cfg.num_hidden_layers), f"the target {type(model).__name__}")
     layer_ids = check_fits(head.config, head.d2t, shape)
     if tokenizer is not None and len(tokenizer) > vocab:
-        raise ValueError(f"tokenizer has {len(tokenizer)} tokens, more than the target vocabulary ({vocab})")
+        raise DartInputError(f"tokenizer has {len(tokenizer)} tokens, more than the target vocabulary ({vocab})")
     if head.get_input_embeddings() is not embedding:
         head.set_input_embeddings(embedding)
     return TargetPlan(layer_ids=tuple(layer_ids))
@@ -46,7 +47,7 @@ def check_attention(model) -> None:
     """Tree verification needs an attention implementation that takes a 4D additive mask."""
     impl = getattr(model.config, "_attn_implementation", None) or "eager"
     if impl not in TREE_ATTENTION_IMPLEMENTATIONS:
-        raise ValueError(f"DART tree decoding needs attention that accepts a tree mask ({', '.join(TREE_ATTENTION_IMPLEMENTATIONS)}); "
+        raise DartInputError(f"DART tree decoding needs attention that accepts a tree mask ({', '.join(TREE_ATTENTION_IMPLEMENTATIONS)}); "
                          f"the model uses {impl!r}. Load it with attn_implementation='sdpa' "
                          f"(or call model.set_attn_implementation('sdpa')).")
 
@@ -57,7 +58,7 @@ def check_cache(cache) -> None:
 
     if not isinstance(cache, DynamicCache) or not all(type(layer) is DynamicLayer for layer in cache.layers):
         kinds = sorted({type(layer).__name__ for layer in getattr(cache, "layers", [])}) or [type(cache).__name__]
-        raise ValueError(f"DART tree decoding supports a DynamicCache of full-attention layers only; got "
+        raise DartInputError(f"DART tree decoding supports a DynamicCache of full-attention layers only; got "
                          f"{type(cache).__name__} with {', '.join(kinds)}. Leave cache_implementation unset "
                          f"(sliding-window, static, quantized and linear-attention caches are not supported).")
 
@@ -92,10 +93,15 @@ def tree_forward(model, node_ids: torch.Tensor, positions: torch.Tensor, mask: t
                      use_cache=True, output_hidden_states=list(layer_ids))
 
 
-def keep_accepted_path(cache, past_len: int, paths: torch.Tensor) -> None:
+def keep_accepted_path(cache, past_len: int, paths: torch.Tensor, at_front: bool = False) -> None:
     """Drop the rejected tree nodes from every layer: keep the past and, per row b, the nodes paths[b] [B, k]
-    (tree-block indices) moved to the front of its block; the cache ends at past_len + k."""
+    (tree-block indices) moved to the front of its block; the cache ends at past_len + k. `at_front`: every row's
+    path is already 0, 1, ..., a (nothing to move, only the cut)."""
     end = past_len + paths.shape[1]
+    if at_front:
+        for layer in cache.layers:
+            layer.keys, layer.values = layer.keys[..., :end, :], layer.values[..., :end, :]
+        return
     index = None
     for layer in cache.layers:
         if index is None or index.shape[1] != layer.keys.shape[1] or index.shape[3] != layer.keys.shape[3]:

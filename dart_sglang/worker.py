@@ -27,6 +27,7 @@ from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from .batching import (accepted_rows, gather_padded, last_rows, packed_positions, packed_slots, padded_slots,
                        shift_within)
 from .models.llama_dart import LlamaForCausalLMDart
+from .head_format import SGLANG_ARCHITECTURE
 from .settings import DartServeSettings
 from .tree_abi import encode_eagle_trees
 
@@ -60,14 +61,14 @@ def draft_contexts(tails: list[list[int]], roots: list[int], length: int) -> tor
 
 
 class DartDraftWorker(eagle_v2.EagleDraftWorker):
-    """Loads the DART head (`LlamaForCausalLMDart`) as SGLang's draft model and drafts DART trees."""
+    """Loads the DART head (`head_format.SGLANG_ARCHITECTURE`) as SGLang's draft model and drafts DART trees."""
 
     def __init__(self, server_args, gpu_id, nccl_port, target_worker):
         super().__init__(server_args, gpu_id, nccl_port, target_worker)
         self.settings = DartServeSettings.from_draft_dir(server_args.speculative_draft_model_path)
         model = self.draft_runner.model
         if not isinstance(model, LlamaForCausalLMDart):
-            raise TypeError(f"the DART draft model loaded as {type(model).__name__}, not LlamaForCausalLMDart")
+            raise TypeError(f"the DART draft model loaded as {type(model).__name__}, not {SGLANG_ARCHITECTURE}")
         self.ngram = NGramModel.load(self.settings.ngram_path, device=self.device) if self.settings.ngram_path else None
         self.context_length = max(1, self.ngram.order - 1) if self.ngram is not None else 1
         self.sampling_ok = tree_sampling_available(self.device)

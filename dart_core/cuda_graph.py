@@ -1,4 +1,4 @@
-"""Replaying a fixed-shape part of the decoding step from a CUDA graph (`generate(..., dart_cuda_graph=True)`)."""
+"""Replaying a fixed-shape part of a decoding step from a CUDA graph (`generate(..., dart_cuda_graph=True)`)."""
 
 from __future__ import annotations
 
