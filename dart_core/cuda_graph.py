@@ -14,7 +14,7 @@ class CudaGraphed:
     input shape. `fn` must run the same operators for every input of a shape and read nothing back to the host.
 
     Runs `fn` eagerly when an input is not a CUDA tensor (another device, or a drafter whose inputs are not plain
-    tensors) and, with one warning, for good after a failed capture. The returned tensors are the graph's own
+    tensors) or the inputs span several devices, and, with one warning, for good after a failed capture. The returned tensors are the graph's own
     outputs: the next call overwrites them.
     """
 
@@ -25,7 +25,8 @@ class CudaGraphed:
 
     def __call__(self, *args):
         leaves, spec = tree_flatten(args)
-        if self.failed or not leaves or not all(isinstance(x, torch.Tensor) and x.is_cuda for x in leaves):
+        if (self.failed or not leaves or not all(isinstance(x, torch.Tensor) and x.is_cuda for x in leaves)
+                or len({x.device for x in leaves}) > 1):
             return self.fn(*args)
         key = (str(spec), tuple((tuple(x.shape), x.dtype, x.device) for x in leaves))
         entry = self.graphs.get(key)
@@ -38,20 +39,22 @@ class CudaGraphed:
                               f"({err}); it runs eagerly", stacklevel=2)
                 return self.fn(*args)
         graph, inputs, output = entry
-        for static, value in zip(inputs, leaves):
-            static.copy_(value)
-        graph.replay()
+        with torch.cuda.device(leaves[0].device):
+            for static, value in zip(inputs, leaves):
+                static.copy_(value)
+            graph.replay()
         return output
 
     def _capture(self, leaves: list[torch.Tensor], spec):
-        inputs = [x.clone() for x in leaves]
-        args = tree_unflatten(inputs, spec)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up outside the capture: lazy initialisation, cached constants
-            self.fn(*args)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            output = self.fn(*args)
+        with torch.cuda.device(leaves[0].device):  # streams and graph on the inputs' device, not the current one
+            inputs = [x.clone() for x in leaves]
+            args = tree_unflatten(inputs, spec)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up outside the capture: lazy initialisation, cached constants
+                self.fn(*args)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                output = self.fn(*args)
         return graph, inputs, output

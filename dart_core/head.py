@@ -384,8 +384,11 @@ class DartHead(nn.Module):
         top-k from a CUDA graph (attending over the cache's whole capacity, so shapes stay fixed; CUDA only)."""
         lengths = self._lengths(new_ids, lengths)
         pass_ = functools.partial(self._draft_pass, topk=tree_config.topk, levels=tree_config.max_depth)
+        # a prompt's pass (more rows than a verify step gives) runs eagerly: one graph per prompt length would pile up
+        cuda_graph = cuda_graph and new_ids.shape[1] <= self.config.draft_length + 1
         if cuda_graph:
-            key = ("draft", tree_config.topk, tree_config.max_depth)
+            # the embedding table is read by address: a moved or cast target embedding needs a new graph
+            key = ("draft", tree_config.topk, tree_config.max_depth, self._embed.weight.data_ptr())
             pass_ = self.cuda_graphs.setdefault(key, CudaGraphed(pass_))
         tokens, probs, k, v = pass_(aux_rows, new_ids, lengths, *self._past(cache, aux_rows, capacity=cuda_graph))
         cache.append(k, v, lengths)

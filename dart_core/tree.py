@@ -179,7 +179,8 @@ def build_draft_trees(topk_tokens: torch.Tensor, topk_probs: torch.Tensor, conte
             q = ngram.state_probability(beam_state.reshape(b * nb, -1),
                                         tokens[:, None, :].expand(b, nb, k).reshape(b * nb, k), validate=False)
             term = term + torch.log(q.view(b, nb, k) + LOG_EPS) * cfg.ngram_weight
-        cand = (beam_scores[:, :, None] + plan.level_weights[level] * term).reshape(b, nb * k)  # [B, nb*K]: beam*K+token
+        # [B, nb*K], index = beam*K + token
+        cand = (beam_scores[:, :, None] + plan.level_weights[level] * term).reshape(b, nb * k)
         pool_scores.append(cand)
         if level + 1 < levels:
             key = cand if eos_penalty is None else cand.double() - eos_penalty[:, level].repeat(1, nb)
@@ -208,7 +209,7 @@ class _SearchPlan:
     beam_start: torch.Tensor  # [L] first beam of each level in the concatenated beam parents
 
 
-@functools.lru_cache(maxsize=64)
+@functools.cache  # never evicted: a captured CUDA graph of the search reads these tensors
 def _search_plan(cfg: TreeConfig, levels: int, k: int, device: torch.device) -> _SearchPlan:
     beams = [1]  # beams extended at each level
     for _ in range(levels - 1):

@@ -29,11 +29,13 @@ class DartStats:
         entry per sequence still decoding, `batch_rows` says whose.
     batch_rows: the caller's batch row of each entry of `accepted_lengths`.
     forwards: target forwards over trees (one per verify step, whatever the batch size).
-    accepted_ranks: for each entry of `accepted_lengths`, the selection rank of each accepted node (`dart_core.tree.score_ranks`:
-        0-based position among the tree's draft nodes by score). A tree of R nodes built from the same candidates
-        holds exactly the nodes of rank < R, so under greedy decoding it would have accepted the leading ranks < R
-        (`accepted_within`, `tau_at`; see `dart_hf.calibration`). Filled by the tree loop only.
-    tau: mean tokens produced per sequence and verify step, bonus included (before stopping criteria cut the last block).
+    accepted_ranks: for each entry of `accepted_lengths`, the selection rank of each accepted node
+        (`dart_core.tree.score_ranks`: 0-based position among the tree's draft nodes by score). A tree of R nodes
+        built from the same candidates holds exactly the nodes of rank < R, so under greedy decoding it would have
+        accepted the leading ranks < R (`accepted_within`, `tau_at`; see `dart_hf.calibration`). Filled by the tree
+        loop only.
+    tau: mean tokens produced per sequence and verify step, bonus included (before stopping criteria cut the last
+        block).
     Times are wall-clock seconds: prefill (target + head on the prompt), head forwards (an `Eagle3Head`: all its
     draft levels with their top-k expansions), tree searches (an `Eagle3Head`: the final node selection), verify
     steps and, within those, the tree mask build, the target forwards, the acceptance and the KV compaction. With
@@ -127,7 +129,8 @@ def dart_decoding(model, input_ids: torch.LongTensor, logits_processor, stopping
     number of levels and `remain_total` as its node count; `dart_ngram` does not apply to it. Statistics of the call
     land in `model.dart_stats` (`DartStats`; `dart_sync_timing=True` makes its per-phase times wait for the device).
     `dart_cuda_graph=True` replays the head's drafting pass, the tree search with the trees' ancestor masks and
-    greedy acceptance from CUDA graphs (CUDA only; elsewhere, or for a drafter whose candidates are not plain tensors, they run eagerly).
+    greedy acceptance from CUDA graphs (CUDA only; elsewhere, or for a drafter whose candidates are not plain
+    tensors, they run eagerly).
     """
     head = dart_head
     if head is None:
@@ -136,7 +139,7 @@ def dart_decoding(model, input_ids: torch.LongTensor, logits_processor, stopping
     want_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
     want_logits = bool(generation_config.return_dict_in_generate and generation_config.output_logits)
     plan, attention_mask = _prepare(model, head, input_ids, generation_config, model_kwargs, dart_tokenizer, streamer,
-                                    want_scores or want_logits)
+                                    want_scores or want_logits, stopping_criteria, logits_processor)
     cache = model_kwargs["past_key_values"]
     ngram = dart_ngram if dart_ngram is not None else head.ngram
     tree_config = dart_tree_config or head.tree_config or head.default_tree_config(first_eos(generation_config))
@@ -413,7 +416,7 @@ def _drop_finished(batch: Batch, step: Step, head_cache, cache, keep: list[int])
 
 
 def _prepare(model, head: DartHead, input_ids, generation_config, model_kwargs, tokenizer, streamer,
-             want_scores: bool) -> tuple[TargetPlan, torch.Tensor]:
+             want_scores: bool, stopping_criteria, processors) -> tuple[TargetPlan, torch.Tensor]:
     """Every check that can fail, before any work -> the plan and the [B, T] attention mask (left padding)."""
     if generation_config.num_beams != 1:
         raise DartInputError(f"DART does not combine with beam search (num_beams={generation_config.num_beams})")
@@ -426,6 +429,8 @@ def _prepare(model, head: DartHead, input_ids, generation_config, model_kwargs, 
     if batch_size > 1 and streamer is not None:
         raise DartInputError("streamers take one sequence (batch size 1), as in transformers; got batch size "
                          f"{batch_size}")
+    if batch_size > 1:
+        _check_batch_semantics(stopping_criteria, processors)
     if batch_size > 1 and want_scores:
         raise DartInputError("output_scores / output_logits with dart_head need batch size 1 (sequences of a batch "
                          "advance by different numbers of tokens per step)")
@@ -451,6 +456,22 @@ def _prepare(model, head: DartHead, input_ids, generation_config, model_kwargs, 
     if cache.get_seq_length() != 0:
         raise DartInputError("DART tree decoding starts from an empty cache (passing past_key_values is not supported)")
     return plan_for(model, head, tokenizer), attention_mask
+
+
+def _check_batch_semantics(stopping_criteria, processors) -> None:
+    """What a batch needs so that each row can stop and be processed on its own, as plain `generate()` does."""
+    from transformers import MaxLengthCriteria, MaxTimeCriteria, PrefixConstrainedLogitsProcessor
+
+    criteria = list(stopping_criteria or [])
+    has_eos = any(hasattr(c, "eos_token_id") for c in criteria)
+    if not has_eos and any(not isinstance(c, (MaxLengthCriteria, MaxTimeCriteria)) for c in criteria):
+        # plain generate() pads a stopped row only when an EOS criterion exists; otherwise it keeps decoding it
+        raise DartInputError("with several sequences, stop strings and custom stopping criteria need an "
+                             "eos_token_id in the generation config (without one, generate() keeps decoding a stopped "
+                             "row); set eos_token_id, or generate one sequence at a time")
+    if any(isinstance(p, PrefixConstrainedLogitsProcessor) for p in processors or []):
+        raise DartInputError("prefix_allowed_tokens_fn needs batch size 1 with dart_head (it is called with each "
+                             "row's batch index, which per-node verification does not have)")
 
 
 def _check_left_padding(attention_mask: torch.Tensor, input_ids: torch.Tensor) -> None:
@@ -486,9 +507,13 @@ def _padded(sequences: list[torch.Tensor], generation_config) -> torch.Tensor:
     width = max(s.shape[1] for s in sequences)
     if all(s.shape[1] == width for s in sequences):
         return torch.cat(sequences)
-    pad = generation_config.pad_token_id
-    if isinstance(pad, (list, tuple)):
-        pad = pad[0]
+    pad = getattr(generation_config, "_pad_token_tensor", None)  # generate() sets it (EOS when no pad is given)
+    if pad is None:
+        pad = generation_config.pad_token_id
+    if isinstance(pad, torch.Tensor):
+        pad = pad.flatten()[0].item() if pad.numel() else None
+    elif isinstance(pad, (list, tuple)):
+        pad = pad[0] if pad else None
     if pad is None:
         raise DartInputError("sequences finished at different lengths and the generation config has no pad_token_id "
                          "to pad them with")

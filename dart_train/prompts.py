@@ -16,6 +16,8 @@ import random
 import sysconfig
 from pathlib import Path
 
+from dart_core.errors import DartInputError
+
 CHAT_TEMPLATES = [
     "Explain {t} to a curious teenager.",
     "Write a short, friendly email inviting a colleague to a talk about {t}.",
@@ -42,8 +44,17 @@ CHAT_TOPICS = [
 
 
 def math_prompts(path: str | os.PathLike) -> list[str]:
+    """The "question" of every JSON line of `path` (GSM8K's format)."""
+    out = []
     with open(path, encoding="utf-8") as fh:
-        return [json.loads(line)["question"] for line in fh if line.strip()]
+        for number, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                out.append(str(json.loads(line)["question"]))
+            except (json.JSONDecodeError, KeyError, TypeError) as err:
+                raise DartInputError(f"{path}:{number}: not a JSON object with a \"question\" ({err})") from None
+    return out
 
 
 def code_prompts(limit: int = 3000) -> list[str]:

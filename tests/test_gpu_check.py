@@ -9,13 +9,19 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
-@pytest.mark.slow
-def test_gpu_check_tiny_cpu_run(tmp_path):
+@pytest.fixture
+def gpu_check():
+    """The script as a module (benchmarks/ is not a package)."""
     sys.path.insert(0, str(BENCHMARKS))
     try:
         import gpu_check
     finally:
         sys.path.remove(str(BENCHMARKS))
+    return gpu_check
+
+
+@pytest.mark.slow
+def test_gpu_check_tiny_cpu_run(tmp_path, gpu_check):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"turns": ["Name three colours and say why the sky is blue."]}) + "\n")
     out = tmp_path / "gpu_check.json"
@@ -43,12 +49,7 @@ def test_gpu_check_tiny_cpu_run(tmp_path):
     assert row["per_prompt"][0]["identical"] and row["per_prompt"][0]["first_mismatch"] is None
 
 
-def test_gpu_check_reads_prompt_files(tmp_path):
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import gpu_check
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+def test_gpu_check_reads_prompt_files(tmp_path, gpu_check):
     path = tmp_path / "p.jsonl"
     path.write_text('{"turns": ["a", "b"]}\n\n"c"\n{"prompt": "d"}\n{"text": "e"}\n')
     assert gpu_check.read_prompts(path, 4) == ["a", "c", "d", "e"]

@@ -2,12 +2,12 @@
 
 import pytest
 import torch
-from transformers import PreTrainedTokenizerFast, pipeline
+from transformers import PreTrainedTokenizerFast, StoppingCriteriaList, pipeline
 
 import dart_hf
 from dart_core import TreeConfig, VerifyResult, verify_tree
 from hf_models import oracle_head, random_head, tiny_target
-from test_hf import chi_square_pvalue, exact_two_token_distribution
+from test_hf import EndsWith, chi_square_pvalue, exact_two_token_distribution
 
 PAD = 0
 
@@ -144,3 +144,25 @@ def test_text_generation_pipeline_with_batches():
     dart = generator(texts, dart_head=random_head(model), **kwargs)
     assert dart == plain
     assert set(model.dart_stats.batch_rows) == {0, 1, 2, 3}  # one batch of four through the DART loop
+
+
+def test_a_stopped_row_is_padded_with_eos_when_there_is_no_pad_token():
+    model = dart_hf.enable(tiny_target())
+    ids, mask = left_padded((5, 8), seed=11)
+    full = model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=PAD)
+    eos = int(full[0, ids.shape[1] + 2])
+    kwargs = dict(attention_mask=mask, max_new_tokens=16, do_sample=False, eos_token_id=eos)
+    plain = model.generate(ids, **kwargs)  # no pad_token_id: generate() pads with the EOS id
+    out = model.generate(ids, dart_head=random_head(model), **kwargs)
+    assert torch.equal(out, plain)
+
+
+def test_batch_only_refusals():
+    model = dart_hf.enable(tiny_target())
+    ids, mask = left_padded((5, 3), seed=2)
+    with pytest.raises(ValueError, match="stop strings and custom stopping criteria need an eos_token_id"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=PAD, dart_head=random_head(model),
+                       stopping_criteria=StoppingCriteriaList([EndsWith(3)]))
+    with pytest.raises(ValueError, match="prefix_allowed_tokens_fn needs batch size 1"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=PAD, dart_head=random_head(model),
+                       prefix_allowed_tokens_fn=lambda batch_id, sent: [1, 2, 3])
