@@ -14,8 +14,8 @@ class CudaGraphed:
     input shape. `fn` must run the same operators for every input of a shape and read nothing back to the host.
 
     Runs `fn` eagerly when an input is not a CUDA tensor (another device, or a drafter whose inputs are not plain
-    tensors) or the inputs span several devices, and, with one warning, for good after a failed capture. The returned tensors are the graph's own
-    outputs: the next call overwrites them.
+    tensors) or the inputs span several devices, and, with one warning, for good after a failed capture. The
+    returned tensors are the graph's own outputs: the next call overwrites them.
     """
 
     def __init__(self, fn: Callable) -> None:
@@ -58,3 +58,11 @@ class CudaGraphed:
             with torch.cuda.graph(graph):
                 output = self.fn(*args)
         return graph, inputs, output
+
+
+def cached_graph(graphs: dict, key, fn: Callable) -> CudaGraphed:
+    """The `CudaGraphed` of `fn` kept in `graphs` under `key` (made on first use), so that later calls replay the
+    graphs earlier ones captured."""
+    if key not in graphs:
+        graphs[key] = CudaGraphed(fn)
+    return graphs[key]

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dart_core.config import CONFIG_NAME, DartConfig, TreeConfig
-from dart_core.cuda_graph import CudaGraphed
+from dart_core.cuda_graph import cached_graph
 from dart_core.errors import DartInputError
 from dart_core.io import atomic_write, is_inside, load_safetensors_checked, save_safetensors_atomic
 from dart_core.ngram import NGramModel
@@ -389,7 +389,7 @@ class DartHead(nn.Module):
         if cuda_graph:
             # the embedding table is read by address: a moved or cast target embedding needs a new graph
             key = ("draft", tree_config.topk, tree_config.max_depth, self._embed.weight.data_ptr())
-            pass_ = self.cuda_graphs.setdefault(key, CudaGraphed(pass_))
+            pass_ = cached_graph(self.cuda_graphs, key, pass_)
         tokens, probs, k, v = pass_(aux_rows, new_ids, lengths, *self._past(cache, aux_rows, capacity=cuda_graph))
         cache.append(k, v, lengths)
         return tokens, probs

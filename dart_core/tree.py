@@ -70,8 +70,12 @@ class DraftTreeBatch:
     def __len__(self) -> int:
         return self.batch_size
 
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The fields in order (`DraftTreeBatch(*batch.tensors())` rebuilds the batch)."""
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
+
     def to(self, device: torch.device) -> "DraftTreeBatch":
-        return DraftTreeBatch(*(getattr(self, f.name).to(device) for f in dataclasses.fields(self)))
+        return DraftTreeBatch(*(t.to(device) for t in self.tensors()))
 
     def __getitem__(self, b: int) -> DraftTree:
         n = int(self.valid[b].sum())

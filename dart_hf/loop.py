@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from dart_core import DartHead, DraftTreeBatch, TreeConfig, verify_greedy, verify_tree
-from dart_core.cuda_graph import CudaGraphed
+from dart_core.cuda_graph import cached_graph
 from dart_core.errors import DartInputError
 from dart_core.head import id_outside_vocab
 from dart_core.matmul import few_row_linears
@@ -148,14 +148,14 @@ def dart_decoding(model, input_ids: torch.LongTensor, logits_processor, stopping
     depth = min(tree_config.max_depth or head.draft_length + 1, head.draft_length + 1)  # deepest draft node
     search = TreeSearch(head, ngram, tree_config)
     greedy_paths = functools.partial(accepted_greedy_paths, max_depth=depth)
-    if dart_cuda_graph:
-        if input_ids.device.type != "cuda":
-            warnings.warn(f"dart_cuda_graph=True applies on CUDA only; on {input_ids.device.type} the tree search "
-                          "and acceptance run eagerly", stacklevel=3)
-        search = _graphed(head, (ngram, tree_config), search)
-        greedy_paths = _graphed(head, ("greedy_paths", depth), greedy_paths)
-    verifier.greedy_paths = greedy_paths
     graphs = bool(dart_cuda_graph) and input_ids.device.type == "cuda"
+    if dart_cuda_graph and not graphs:
+        warnings.warn(f"dart_cuda_graph=True applies on CUDA only; on {input_ids.device.type} the drafting pass, tree "
+                      "search and acceptance run eagerly", stacklevel=3)
+    if graphs:  # kept with the head: later calls replay the graphs earlier ones captured
+        search = cached_graph(head.cuda_graphs, (ngram, tree_config), search)
+        greedy_paths = cached_graph(head.cuda_graphs, ("greedy_paths", depth), greedy_paths)
+    verifier.greedy_paths = greedy_paths
     scores, raw_logits = [], []
     stats = DartStats(prompt_tokens=int(attention_mask.sum()), sync_timing=bool(dart_sync_timing))
     model.dart_stats = stats
@@ -253,7 +253,7 @@ class _Verifier:
         """The accepted path of every tree: logits [B, N, V] of its nodes, ancestors [B, N, N], `sequences` [1, L_b]
         ending with the roots. Greedy without processors runs on the device without a host synchronisation."""
         if self.processors is None and not self.do_sample and trees.num_nodes > 1:
-            return Paths(*self.greedy_paths(_tree_tensors(trees), logits, ancestors))
+            return Paths(*self.greedy_paths(trees.tensors(), logits, ancestors))
         result = verify_tree(trees, logits, context_ids=[s[0] for s in sequences], logits_processor=self.processors,
                              do_sample=self.do_sample)
         return Paths(*path_summary(trees, result))
@@ -268,10 +268,6 @@ class Paths:
     nodes: torch.Tensor  # [B, d+1] the path's nodes, root first; past the path: the root
     tokens: torch.Tensor  # [B, d+1] their tokens
     ranks: torch.Tensor  # [B, d] selection rank of each path node after the root (`score_ranks`)
-
-
-def _tree_tensors(trees: DraftTreeBatch) -> tuple[torch.Tensor, ...]:
-    return tuple(getattr(trees, f.name) for f in dataclasses.fields(trees))
 
 
 def path_summary(trees: DraftTreeBatch, result) -> tuple[torch.Tensor, ...]:
@@ -333,14 +329,6 @@ class TreeSearch:
     def __call__(self, candidates, contexts: torch.Tensor) -> tuple[DraftTreeBatch, torch.Tensor]:
         trees = self.head.build_tree(candidates, contexts, self.ngram, self.tree_config)
         return trees, trees.ancestor_mask()
-
-
-def _graphed(head: DartHead, key: tuple, fn) -> CudaGraphed:
-    """`fn` behind a CUDA graph, kept with the head under `key` so that later calls replay the graphs captured by
-    earlier ones."""
-    if key not in head.cuda_graphs:
-        head.cuda_graphs[key] = CudaGraphed(fn)
-    return head.cuda_graphs[key]
 
 
 def draft(head: DartHead, search, step: Step, head_cache, batch: Batch, tree_config: TreeConfig, cuda_graph: bool,
@@ -425,19 +413,19 @@ def _prepare(model, head: DartHead, input_ids, generation_config, model_kwargs, 
     batch_size = input_ids.shape[0]
     if head.max_batch_size is not None and batch_size > head.max_batch_size:
         raise DartInputError(f"{type(head).__name__} drafts at most {head.max_batch_size} sequence(s) at a time; got "
-                         f"batch size {batch_size}")
+                             f"batch size {batch_size}")
     if batch_size > 1 and streamer is not None:
         raise DartInputError("streamers take one sequence (batch size 1), as in transformers; got batch size "
-                         f"{batch_size}")
+                             f"{batch_size}")
     if batch_size > 1:
         _check_batch_semantics(stopping_criteria, processors)
     if batch_size > 1 and want_scores:
         raise DartInputError("output_scores / output_logits with dart_head need batch size 1 (sequences of a batch "
-                         "advance by different numbers of tokens per step)")
+                             "advance by different numbers of tokens per step)")
     if generation_config.return_dict_in_generate and (generation_config.output_attentions
                                                       or generation_config.output_hidden_states):
         raise DartInputError("output_attentions / output_hidden_states are not available with dart_head (the target "
-                         "runs over draft trees, not one token per step)")
+                             "runs over draft trees, not one token per step)")
     attention_mask = model_kwargs.get("attention_mask")
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
@@ -478,7 +466,7 @@ def _check_left_padding(attention_mask: torch.Tensor, input_ids: torch.Tensor) -
     """Each row of the [B, T] mask must be zeros (padding) then ones (tokens), with at least one token."""
     if tuple(attention_mask.shape) != tuple(input_ids.shape):
         raise DartInputError(f"attention_mask shape {list(attention_mask.shape)} does not match input_ids "
-                         f"{list(input_ids.shape)}")
+                             f"{list(input_ids.shape)}")
     mask = attention_mask.long()
     if bool(((mask != 0) & (mask != 1)).any()):
         raise DartInputError("attention_mask must hold 0 (padding) and 1 (token) only")
@@ -488,8 +476,9 @@ def _check_left_padding(attention_mask: torch.Tensor, input_ids: torch.Tensor) -
     bad = (mask[:, 1:] < mask[:, :-1]).any(dim=1).nonzero()
     if bad.numel():
         raise DartInputError(f"row {int(bad[0])} has padding after a token: DART needs left padding (set "
-                         "tokenizer.padding_side = 'left'). If the prompt is not padded, generate() may have guessed "
-                         "padding from pad_token_id occurring in it: pass attention_mask=torch.ones_like(input_ids)")
+                             "tokenizer.padding_side = 'left'). If the prompt is not padded, generate() may have "
+                             "guessed padding from pad_token_id occurring in it: pass "
+                             "attention_mask=torch.ones_like(input_ids)")
 
 
 def _emit(sequence, new_tokens, stopping_criteria) -> tuple[int, bool]:
@@ -516,7 +505,7 @@ def _padded(sequences: list[torch.Tensor], generation_config) -> torch.Tensor:
         pad = pad[0] if pad else None
     if pad is None:
         raise DartInputError("sequences finished at different lengths and the generation config has no pad_token_id "
-                         "to pad them with")
+                             "to pad them with")
     return torch.cat([torch.nn.functional.pad(s, (0, width - s.shape[1]), value=int(pad)) for s in sequences])
 
 

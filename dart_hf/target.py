@@ -47,9 +47,10 @@ def check_attention(model) -> None:
     """Tree verification needs an attention implementation that takes a 4D additive mask."""
     impl = getattr(model.config, "_attn_implementation", None) or "eager"
     if impl not in TREE_ATTENTION_IMPLEMENTATIONS:
-        raise DartInputError(f"DART tree decoding needs attention that accepts a tree mask ({', '.join(TREE_ATTENTION_IMPLEMENTATIONS)}); "
-                         f"the model uses {impl!r}. Load it with attn_implementation='sdpa' "
-                         f"(or call model.set_attn_implementation('sdpa')).")
+        raise DartInputError(f"DART tree decoding needs attention that accepts a tree mask "
+                             f"({', '.join(TREE_ATTENTION_IMPLEMENTATIONS)}); "
+                             f"the model uses {impl!r}. Load it with attn_implementation='sdpa' "
+                             f"(or call model.set_attn_implementation('sdpa')).")
 
 
 def check_cache(cache) -> None:
@@ -59,8 +60,8 @@ def check_cache(cache) -> None:
     if not isinstance(cache, DynamicCache) or not all(type(layer) is DynamicLayer for layer in cache.layers):
         kinds = sorted({type(layer).__name__ for layer in getattr(cache, "layers", [])}) or [type(cache).__name__]
         raise DartInputError(f"DART tree decoding supports a DynamicCache of full-attention layers only; got "
-                         f"{type(cache).__name__} with {', '.join(kinds)}. Leave cache_implementation unset "
-                         f"(sliding-window, static, quantized and linear-attention caches are not supported).")
+                             f"{type(cache).__name__} with {', '.join(kinds)}. Leave cache_implementation unset "
+                             f"(sliding-window, static, quantized and linear-attention caches are not supported).")
 
 
 def tapped_hidden_states(outputs, layer_ids: tuple[int, ...]) -> torch.Tensor:
