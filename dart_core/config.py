@@ -223,6 +223,12 @@ class TreeConfig:
         check_float("TreeConfig", "level_weight_exponent", self.level_weight_exponent)
         check_float("TreeConfig", "logit_weight_decay", self.logit_weight_decay, strict=True)
 
+    def draft_levels(self, predicted: int) -> int:
+        """How many of the `predicted` candidate levels (a head's D+1) the search reads: at most `max_depth`, and at
+        most `remain_total`. Scores never increase from a node to its children and a parent precedes its children
+        in the pool, so the best R pool entries never include a node deeper than R (the tree is the same)."""
+        return min(predicted, self.max_depth or predicted, self.remain_total)
+
     def level_weight(self, level: int) -> float:
         return (level + 1) ** -self.level_weight_exponent
 

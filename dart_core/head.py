@@ -379,23 +379,24 @@ class DartHead(nn.Module):
               cache: DartHeadCache, tree_config: TreeConfig, cuda_graph: bool = False):
         """One drafting pass for B sequences: the new rows aux_rows [B, T, 3*Ht] / new_ids [B, T], of which the first
         lengths[b] are real (None: all; appended to `cache`) -> the candidates `build_tree` takes: per level the
-        top-k (target ids [B, L, K], probabilities [B, L, K]), L = D+1 or `tree_config.max_depth`. Inputs are not
+        top-k (target ids [B, L, K], probabilities [B, L, K]), L = `tree_config.draft_levels(D+1)`. Inputs are not
         read back for checks (the decoding loop's are valid by construction). `cuda_graph`: replay the forward and
         top-k from a CUDA graph (attending over the cache's whole capacity, so shapes stay fixed; CUDA only)."""
         lengths = self._lengths(new_ids, lengths)
-        pass_ = functools.partial(self._draft_pass, topk=tree_config.topk, levels=tree_config.max_depth)
+        levels = tree_config.draft_levels(self.config.draft_length + 1)
+        pass_ = functools.partial(self._draft_pass, topk=tree_config.topk, levels=levels)
         # a prompt's pass (more rows than a verify step gives) runs eagerly: one graph per prompt length would pile up
         cuda_graph = cuda_graph and new_ids.shape[1] <= self.config.draft_length + 1
         if cuda_graph:
             # the embedding table is read by address: a moved or cast target embedding needs a new graph
-            key = ("draft", tree_config.topk, tree_config.max_depth, self._embed.weight.data_ptr())
+            key = ("draft", tree_config.topk, levels, self._embed.weight.data_ptr())
             pass_ = cached_graph(self.cuda_graphs, key, pass_)
         tokens, probs, k, v = pass_(aux_rows, new_ids, lengths, *self._past(cache, aux_rows, capacity=cuda_graph))
         cache.append(k, v, lengths)
         return tokens, probs
 
     def _draft_pass(self, aux_rows, new_ids, lengths, past_keys, past_values, past_lengths, topk: int,
-                    levels: Optional[int]):
+                    levels: int):
         """`step` and the top-k per level: (tokens, probs [B, L, K], k, v [B, kv, T, hd])."""
         logits, k, v = self.step(aux_rows, new_ids, lengths, past_keys, past_values, past_lengths)
         tokens, probs = topk_draft_tokens(logits[:, :levels], topk, self.d2t)

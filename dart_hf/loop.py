@@ -145,7 +145,7 @@ def dart_decoding(model, input_ids: torch.LongTensor, logits_processor, stopping
     tree_config = dart_tree_config or head.tree_config or head.default_tree_config(first_eos(generation_config))
     verifier = _Verifier(model, plan, cache, logits_processor, bool(generation_config.do_sample))
     context_len = max(ngram.order - 1, 1) if ngram is not None else 1
-    depth = min(tree_config.max_depth or head.draft_length + 1, head.draft_length + 1)  # deepest draft node
+    depth = tree_config.draft_levels(head.draft_length + 1)  # deepest draft node
     search = TreeSearch(head, ngram, tree_config)
     greedy_paths = functools.partial(accepted_greedy_paths, max_depth=depth)
     graphs = bool(dart_cuda_graph) and input_ids.device.type == "cuda"

@@ -17,7 +17,7 @@ from .head_format import read_sglang_dir
 class DartServeSettings:
     """What the DART worker needs from the head directory, and the EAGLE tree ABI sizes it implies.
 
-    num_levels        deepest tree level (= `--speculative-num-steps`): D+1, or the tree's max_depth, at most N-1
+    num_levels        deepest tree level (= `--speculative-num-steps`): `tree.draft_levels(D+1)`, at most N-1
     topk              children rank range of the EAGLE encoding (= `--speculative-eagle-topk`)
     num_draft_tokens  nodes per tree including the root (= `--speculative-num-draft-tokens`)
     """
@@ -37,9 +37,8 @@ class DartServeSettings:
 
     @classmethod
     def for_tree(cls, tree: TreeConfig, draft_length: int, ngram_path: Optional[str] = None) -> "DartServeSettings":
-        levels = min(draft_length + 1, tree.max_depth or draft_length + 1)
+        levels = tree.draft_levels(draft_length + 1)
         nodes = tree_node_count(tree, levels)
-        levels = min(levels, nodes - 1)  # a tree of N nodes is at most N - 1 levels deep
         return cls(tree, draft_length, levels, eagle_topk(tree, levels, nodes), nodes, ngram_path)
 
     def server_args(self) -> dict:

@@ -118,6 +118,36 @@ def test_batched_rows_equal_single_trees():
         assert torch.equal(batch[i].tokens, single.tokens) and torch.equal(batch[i].parents, single.parents)
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_levels_past_remain_total_change_nothing(seed):
+    # `TreeConfig.draft_levels` drops the candidate levels deeper than remain_total: the trees must be identical,
+    # ties included (sharp logits give probabilities of exactly 1, whose log term is 0, so a child ties its parent)
+    rng = torch.Generator().manual_seed(seed)
+    r = random.Random(seed)
+    vocab = 40
+    ngram = NGramModel.build([[r.randrange(vocab) for _ in range(600)]], order=3, vocab_size=vocab)
+    levels, k = 9, 6
+    tokens, probs = zip(*(random_inputs(rng, levels, k, vocab, sharp=r.choice([0.5, 3.0, 60.0])) for _ in range(3)))
+    tokens, probs = torch.stack(tokens), torch.stack(probs)
+    contexts = torch.randint(0, vocab, (3, 2), generator=rng)
+    for remain_total in (1, 2, 3, 5, 8):
+        cfg = TreeConfig(topk=k, beam_width=r.choice([1, 4]), remain_total=remain_total,
+                         ngram_weight=r.choice([0.0, 0.5]), eos_token_id=r.choice([None, 0]))
+        kept = cfg.draft_levels(levels)
+        assert kept == min(levels, remain_total)
+        full = build_draft_trees(tokens, probs, contexts, ngram, cfg)
+        cut = build_draft_trees(tokens[:, :kept], probs[:, :kept], contexts, ngram, cfg)
+        for a, b in zip(full.tensors(), cut.tensors()):
+            assert torch.equal(a, b)
+
+
+def test_draft_levels_bounds():
+    assert TreeConfig(remain_total=60).draft_levels(7) == 7
+    assert TreeConfig(remain_total=60, max_depth=4).draft_levels(7) == 4
+    assert TreeConfig(remain_total=3).draft_levels(7) == 3
+    assert TreeConfig(remain_total=3, max_depth=2).draft_levels(7) == 2
+
+
 def test_stack_pads_and_indexing_recovers_trees():
     a = DraftTree(torch.tensor([1, 2]), torch.tensor([-1, 0]), torch.tensor([0, 1]), torch.tensor([0.0, -1.0]))
     b = DraftTree(torch.tensor([3]), torch.tensor([-1]), torch.tensor([0]), torch.tensor([0.0]))
