@@ -18,7 +18,8 @@ from dart_core.head import id_outside_vocab
 from dart_core.matmul import few_row_linears
 from dart_core.tree import score_ranks
 from dart_hf.target import (TargetPlan, check_attention, check_cache, first_eos, keep_accepted_path, plan_for,
-                            prompt_positions, tapped_hidden_states, tree_attention_mask, tree_forward)
+                            prompt_positions, tapped_hidden_states, tree_attention_mask, tree_forward,
+                            tree_forwards)
 
 
 @dataclasses.dataclass
@@ -165,27 +166,29 @@ def dart_decoding(model, input_ids: torch.LongTensor, logits_processor, stopping
     batch, step = prefill(verifier, input_ids, attention_mask, context_len, stats)
     head_cache = head.new_cache(input_ids.shape[0])
     sequences = list(input_ids.split(1))  # [1, L_b] per caller's row, its left padding included
-    while True:
-        finished = []
-        for i, row in enumerate(batch.rows):
-            new_tokens = step.new_ids[i, : step.counts[i]]  # [a+1]
-            emitted, done = _emit(sequences[row], new_tokens, stopping_criteria)
-            if want_scores or want_logits:
-                _record_scores(scores, raw_logits, sequences[row], new_tokens[:emitted],
-                               step.logits[i, step.nodes[i, :emitted]], verifier.processors, want_scores, want_logits)
-            sequences[row] = torch.cat((sequences[row], new_tokens[None, :emitted]), dim=1)
-            stats.new_tokens += emitted
-            if streamer is not None:
-                streamer.put(new_tokens[:emitted].cpu())
-            if done:
-                finished.append(i)
-        if len(finished) == len(batch.rows):
-            break
-        if finished:
-            keep = [i for i in range(len(batch.rows)) if i not in finished]
-            batch, step = _drop_finished(batch, step, head_cache, cache, keep)
-        trees, ancestors = draft(head, search, step, head_cache, batch, tree_config, graphs, stats)
-        step = verify_step(verifier, trees, ancestors, batch, [sequences[row] for row in batch.rows], stats)
+    with tree_forwards(model), few_row_linears(head):  # entered once: it walks the modules
+        while True:
+            finished = []
+            for i, row in enumerate(batch.rows):
+                new_tokens = step.new_ids[i, : step.counts[i]]  # [a+1]
+                emitted, done = _emit(sequences[row], new_tokens, stopping_criteria)
+                if want_scores or want_logits:
+                    _record_scores(scores, raw_logits, sequences[row], new_tokens[:emitted],
+                                   step.logits[i, step.nodes[i, :emitted]], verifier.processors, want_scores,
+                                   want_logits)
+                sequences[row] = torch.cat((sequences[row], new_tokens[None, :emitted]), dim=1)
+                stats.new_tokens += emitted
+                if streamer is not None:
+                    streamer.put(new_tokens[:emitted].cpu())
+                if done:
+                    finished.append(i)
+            if len(finished) == len(batch.rows):
+                break
+            if finished:
+                keep = [i for i in range(len(batch.rows)) if i not in finished]
+                batch, step = _drop_finished(batch, step, head_cache, cache, keep)
+            trees, ancestors = draft(head, search, step, head_cache, batch, tree_config, graphs, stats)
+            step = verify_step(verifier, trees, ancestors, batch, [sequences[row] for row in batch.rows], stats)
 
     if streamer is not None:
         streamer.end()
@@ -337,9 +340,8 @@ def draft(head: DartHead, search, step: Step, head_cache, batch: Batch, tree_con
     search (`TreeSearch`; the drafter interface, docs/DESIGN.md §1.2) -> (trees, ancestors [B, N, N])."""
     device = batch.contexts.device
     t0 = stats.clock(device)
-    with few_row_linears(head):
-        candidates = head.draft(step.aux_rows, step.head_ids, step.head_lengths, head_cache, tree_config,
-                                cuda_graph=cuda_graph)
+    candidates = head.draft(step.aux_rows, step.head_ids, step.head_lengths, head_cache, tree_config,
+                            cuda_graph=cuda_graph)
     t1 = stats.clock(device)
     trees, ancestors = search(candidates, batch.contexts)
     stats.head_time += t1 - t0

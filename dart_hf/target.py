@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
+import torch.nn.functional as F
 
 from dart_core import DartHead
 from dart_core.errors import DartInputError
@@ -86,12 +89,84 @@ def prompt_positions(attention_mask: torch.Tensor) -> torch.Tensor:
 
 def tree_forward(model, node_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache,
                  layer_ids: tuple[int, ...]):
-    """The target over one tree block appended to `cache`: node_ids / positions [1, N], additive mask
-    [1, 1, N, past+N] -> the model output (logits [1, N, V], hidden states at `layer_ids`). Few-row linear layers
-    take the faster CPU product (`dart_core.matmul`)."""
-    with few_row_linears(model):
-        return model(input_ids=node_ids, position_ids=positions, attention_mask=mask, past_key_values=cache,
-                     use_cache=True, output_hidden_states=list(layer_ids))
+    """The target over one tree block appended to `cache`: node_ids / positions [B, N], additive mask
+    [B, 1, N, past+N] -> the model output (logits [B, N, V], hidden states at `layer_ids`). Run inside
+    `tree_forwards(model)` for the faster kernels."""
+    return model(input_ids=node_ids, position_ids=positions, attention_mask=mask, past_key_values=cache,
+                 use_cache=True, output_hidden_states=list(layer_ids))
+
+
+@contextlib.contextmanager
+def tree_forwards(model) -> Iterator[None]:
+    """Within the block, `model`'s forwards take the kernels that suit tree verification: few-row linear layers the
+    faster CPU product (`dart_core.matmul`), sdpa attention layers `grouped_sdpa_attention`. Results are those of the
+    model's own kernels up to float rounding. Entering walks the model: enter once around many forwards."""
+    with few_row_linears(model), grouped_attention(model):
+        yield
+
+
+# ---- grouped-query attention without copies of the keys and values ------------------------------------------------
+GROUPED_SDPA = "dart_grouped_sdpa"  # its name in transformers' attention (and attention-mask) interfaces
+SDPA_EXTRAS = ("position_bias", "softcap", "cache", "s_aux")  # what sdpa does beyond plain attention: left to it
+# inside `grouped_attention`: [(mask, G, grouped mask)] of the last mask seen, so that the layers of one forward
+# share one grouped mask (the entry holds the mask, so `is` cannot match another tensor)
+_LAST_GROUPED_MASK: contextvars.ContextVar[Optional[list]] = contextvars.ContextVar("dart_grouped_mask", default=None)
+
+
+def grouped_sdpa_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           attention_mask: Optional[torch.Tensor], dropout: float = 0.0,
+                           scaling: Optional[float] = None, **kwargs):
+    """transformers' sdpa attention, with the G query heads of each key/value head of a grouped-query model
+    attending to that head without copying it.
+
+    With a 4D mask and several queries transformers' sdpa copies every key/value head G times (`repeat_kv`: the
+    whole cache, in every layer and step). Here the G query heads of a key/value head are stacked along the query
+    axis instead, with the mask repeated to match: the same scores and softmax for every (head, query) pair.
+    query [B, H, N, hd], key/value [B, H/G, S, hd], mask [B, 1, N, S] -> ([B, N, H, hd], None). Every other case
+    (no mask, one query, no grouping, dropout, sdpa's extras) is transformers' `sdpa_attention_forward`.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    b, h, n, hd = query.shape
+    s = key.shape[2]
+    if (groups == 1 or n == 1 or attention_mask is None or tuple(attention_mask.shape[1:]) != (1, n, s)
+            or dropout or any(kwargs.get(name) is not None for name in SDPA_EXTRAS)):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    stacked = query.reshape(b, h // groups, groups * n, hd)  # head kv*G + g, query i -> row g*N + i of head kv
+    last = _LAST_GROUPED_MASK.get()
+    if last is not None and last[0] is not None and last[0][0] is attention_mask and last[0][1] == groups:
+        mask = last[0][2]
+    else:
+        mask = attention_mask.expand(b, 1, n, s).repeat(1, 1, groups, 1)  # [B, 1, G*N, S]
+        if last is not None:
+            last[0] = (attention_mask, groups, mask)
+    out = F.scaled_dot_product_attention(stacked, key, value, attn_mask=mask, scale=scaling)  # [B, H/G, G*N, hd]
+    return out.view(b, h, n, hd).transpose(1, 2).contiguous(), None
+
+
+@contextlib.contextmanager
+def grouped_attention(model) -> Iterator[None]:
+    """Within the block, the attention layers of `model` that use sdpa take `grouped_sdpa_attention` (and sdpa's
+    mask construction, so any forward may run inside)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    AttentionInterface.register(GROUPED_SDPA, grouped_sdpa_attention)
+    AttentionMaskInterface.register(GROUPED_SDPA, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    configs = {id(m.config): m.config for m in model.modules()
+               if getattr(m, "num_key_value_groups", 1) > 1 and hasattr(m, "config")
+               and getattr(m.config, "_attn_implementation", None) == "sdpa"}
+    for config in configs.values():  # the attribute, not the setter (which rewrites every sub-config)
+        config._attn_implementation_internal = GROUPED_SDPA
+    token = _LAST_GROUPED_MASK.set([None])
+    try:
+        yield
+    finally:
+        _LAST_GROUPED_MASK.reset(token)
+        for config in configs.values():
+            config._attn_implementation_internal = "sdpa"
 
 
 def keep_accepted_path(cache, past_len: int, paths: torch.Tensor, at_front: bool = False) -> None:

@@ -1,0 +1,94 @@
+"""`dart_hf.target.grouped_sdpa_attention` against transformers' own sdpa attention, and `tree_forwards`' scope."""
+
+import types
+
+import pytest
+import torch
+from transformers import DynamicCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from dart_hf.target import GROUPED_SDPA, grouped_attention, grouped_sdpa_attention, tree_attention_mask, tree_forwards
+from hf_models import tiny_target
+
+
+def random_case(seed: int, b: int, heads: int, kv: int, n: int, s: int, bool_mask: bool):
+    g = torch.Generator().manual_seed(seed)
+    module = types.SimpleNamespace(num_key_value_groups=heads // kv, is_causal=True)
+    q = torch.randn(b, n, heads, 8, generator=g).transpose(1, 2)  # [B, H, N, hd], strided as the models make it
+    k, v = torch.randn(b, kv, s, 8, generator=g), torch.randn(b, kv, s, 8, generator=g)
+    see = torch.rand(b, n, s, generator=g) < 0.6
+    see[..., 0] = True  # every query sees something
+    mask = see[:, None] if bool_mask else torch.where(see, 0.0, torch.finfo(torch.float32).min)[:, None]
+    return module, q, k, v, mask
+
+
+@pytest.mark.parametrize("seed,b,heads,kv,n,s,bool_mask", [
+    (0, 1, 9, 3, 4, 30, False), (1, 2, 4, 2, 7, 12, False), (2, 3, 8, 1, 5, 9, True), (3, 1, 6, 2, 61, 100, False),
+])
+def test_equals_transformers_sdpa_on_random_masks(seed, b, heads, kv, n, s, bool_mask):
+    module, q, k, v, mask = random_case(seed, b, heads, kv, n, s, bool_mask)
+    want, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.3)
+    got, _ = grouped_sdpa_attention(module, q, k, v, mask, scaling=0.3)
+    assert got.shape == want.shape == (b, n, heads, 8)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    # control: the query heads stacked in the wrong order (g-major instead of kv-major) must not pass
+    wrong_q = q.reshape(b, heads // kv, kv, n, 8).transpose(1, 2).reshape(b, heads, n, 8)
+    wrong, _ = grouped_sdpa_attention(module, wrong_q, k, v, mask, scaling=0.3)
+    if kv > 1:
+        assert not torch.allclose(wrong, want, rtol=1e-3, atol=1e-4)
+
+
+def test_each_new_mask_is_used_inside_one_block():
+    # the layers of one forward share one grouped mask; a new mask (the next step) must never get the old one
+    model = tiny_target()
+    module, q, k, v, first = random_case(4, 1, 4, 2, 3, 10, False)
+    *_, second = random_case(5, 1, 4, 2, 3, 10, False)
+    with grouped_attention(model):
+        for mask in (first, first, second, first):
+            got, _ = grouped_sdpa_attention(module, q, k, v, mask)
+            torch.testing.assert_close(got, sdpa_attention_forward(module, q, k, v, mask)[0], rtol=1e-5, atol=1e-6)
+
+
+def test_other_cases_are_transformers_sdpa_itself():
+    for n, mask_or_none in ((1, "mask"), (5, None)):  # one query; no mask
+        module, q, k, v, mask = random_case(6, 1, 4, 2, n, 10, False)
+        mask = mask if mask_or_none else None
+        assert torch.equal(grouped_sdpa_attention(module, q, k, v, mask)[0],
+                           sdpa_attention_forward(module, q, k, v, mask)[0])
+
+
+def test_tree_forwards_matches_the_model_and_restores_it():
+    model = tiny_target()
+    ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(0))
+    attention_mask = torch.ones_like(ids)
+    attention_mask[1, :3] = 0  # a left-padded row: inside the block, transformers' mask construction still applies
+    n = 4
+    ancestors = torch.ones(2, n, n, dtype=torch.bool).tril()
+    tree_mask = tree_attention_mask(ancestors, attention_mask.bool(), torch.float32)  # [2, 1, 4, 9 + 4]
+    with torch.no_grad():
+        def run():
+            prompt = model(ids, attention_mask=attention_mask).logits
+            cache = DynamicCache(config=model.config)
+            model(ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True)
+            tree = model(ids[:, :n], position_ids=torch.arange(9, 9 + n).expand(2, n), attention_mask=tree_mask,
+                         past_key_values=cache, use_cache=True).logits
+            return prompt, tree
+
+        want = run()
+        with tree_forwards(model):
+            assert model.config._attn_implementation == GROUPED_SDPA
+            got = run()
+        assert model.config._attn_implementation == "sdpa"
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_attention_restores_on_error_and_leaves_eager_alone():
+    model = tiny_target()
+    with pytest.raises(RuntimeError, match="boom"):
+        with grouped_attention(model):
+            raise RuntimeError("boom")
+    assert model.config._attn_implementation == "sdpa"
+    eager = tiny_target(attn="eager")
+    with grouped_attention(eager):
+        assert eager.config._attn_implementation == "eager"
