@@ -5,9 +5,11 @@
         --out /tmp/gpu_check.json                                                          # a CPU smoke run
 
 For each dtype (default float32 and bfloat16: the model and head are cast, each dtype checked against its own plain
-run) it times plain greedy decoding once over the prompts, then DART with the shipped head at each tree size
+run) it times, prompt by prompt, plain greedy decoding and then DART with the shipped head at each tree size
 (`--nodes`, default 60, 16 and 8 draft nodes: the head's own tree settings with `remain_total` replaced; no cached
 calibration is used), `--max-new-tokens` (128) per prompt, batch 1, after one short warm-up generate of each kind.
+Interleaving the settings per prompt makes a device that is still warming up, or a slow spell, hit them alike (run
+blockwise, the first block of a cold GPU ran up to 2-3x slower than the last).
 
 Measured (every clock waits for the device: `torch.cuda.synchronize` around each generate, `dart_sync_timing=True`
 inside DART's loop, so the phase times are device time):
@@ -25,7 +27,7 @@ inside DART's loop, so the phase times are device time):
 
 Prompts: MT-Bench first turns (chat template) from `--prompt-file` (JSON lines with "turns" lists, or "prompt" /
 "text" strings), by default `../shared/data/mt_bench_questions.jsonl` beside the checkout; the repository ships no
-copy. One JSON is written (atomically, rewritten after every block so a run cut short leaves its finished blocks) with
+copy. One JSON is written (atomically, rewritten after every prompt so a run cut short leaves its finished ones) with
 the device name, versions, commit and settings. Its CPU runs are no speed claim; the GPU rows of BENCHMARKS.md come
 from its GPU runs.
 
@@ -40,8 +42,9 @@ at about 27 ms/token and a DART step takes about 40 ms; the shipped head's tau o
 at 8 / 16 / 60 nodes (benchmarks/results/tree_settings.json). Per dtype: plain 8 x 128 tokens ~ 28 s, each tree
 ~ 8 x 128 / tau steps x 40 ms ~ 17-21 s plus ~ 2.5 s for its unsynced prompt, warm-up and loading ~ 6 s: ~ 95 s. Two
 dtypes ~ 3.2 min, with Python start-up and the GGUF's one-time conversion ~ 3.7 min. Plain decoding is therefore
-timed once per dtype (not per tree). `--budget-s` (default 270) starts no block after that many seconds (the JSON
-then lists the skipped blocks; exit status 2), so a slower machine still ends near 5 minutes.
+timed once per prompt (not per tree). `--budget-s` (default 270) starts no prompt (and no unsynced rerun) after that
+many seconds (the JSON then lists what it skipped; exit status 2), so a slower machine still ends near 5 minutes
+with every setting measured on the same prompts.
 """
 
 from __future__ import annotations
@@ -164,124 +167,99 @@ def load(device: torch.device, dtype: torch.dtype):
     return model, tokenizer, head
 
 
-def plain_block(model, encoded: list[torch.Tensor], max_new_tokens: int, repeats: int, log) -> tuple[dict, list]:
-    """Plain greedy decoding of every prompt (`repeats` times); returns the summary and outputs[repeat][prompt]."""
-    outputs, rows = [], []
-    wall = first_wall = 0.0
-    new = steps_tokens = 0
-    for r in range(repeats):
-        outputs.append([])
-        for i, ids in enumerate(encoded):
-            _, one = timed_generate(model, ids, 1)  # setup + prefill + the first token
-            out, t = timed_generate(model, ids, max_new_tokens)
-            n = out.shape[1] - ids.shape[1]
-            outputs[r].append(out)
-            wall += t
-            new += n
-            if n > 1:
-                first_wall += one
-                steps_tokens += n - 1
-            rows.append({"repeat": r, "prompt": i, "prompt_tokens": int(ids.shape[1]), "new_tokens": n,
-                         "wall_s": t, "one_token_wall_s": one})
-            log(f"  plain prompt {i + 1}/{len(encoded)}: {n} tokens, {t * 1e3 / max(n, 1):.1f} ms/token")
-    timed_steps_wall = sum(row["wall_s"] for row in rows if row["new_tokens"] > 1)
-    summary = {"prompts": len(encoded) * repeats, "new_tokens": new, "wall_s": wall,
-               "tokens_per_s": new / wall if wall else 0.0, "ms_per_token": wall * 1e3 / new if new else 0.0,
-               "step_ms": (timed_steps_wall - first_wall) * 1e3 / steps_tokens if steps_tokens else 0.0,
-               "one_token_generate_ms": first_wall * 1e3 / max(1, sum(r["new_tokens"] > 1 for r in rows)),
-               "per_prompt": rows}
-    return summary, outputs
+def plain_run(model, ids: torch.Tensor, max_new_tokens: int, repeat: int, prompt: int) -> tuple[dict, torch.Tensor]:
+    """Plain greedy decoding of one prompt: (its row, its output)."""
+    _, one = timed_generate(model, ids, 1)  # setup + prefill + the first token
+    out, t = timed_generate(model, ids, max_new_tokens)
+    row = {"repeat": repeat, "prompt": prompt, "prompt_tokens": int(ids.shape[1]), "new_tokens": out.shape[1] -
+           ids.shape[1], "wall_s": t, "one_token_wall_s": one}
+    return row, out
 
 
-def dart_block(model, head, tree_config, graph: bool, encoded: list[torch.Tensor], plain_outputs: list,
-               max_new_tokens: int, repeats: int, unsynced_prompts: int, plain: dict, log) -> dict:
-    """DART with `tree_config` (and `dart_cuda_graph=graph`) over every prompt, compared with the plain outputs of
-    the same repeat."""
-    rows = []
-    sums = {name: 0.0 for name in PHASES}
-    wall = prefill = 0.0
-    new = steps = accepted = identical = 0
-    nodes_seen = []
-    for r in range(repeats):
-        for i, ids in enumerate(encoded):
-            out, t = timed_generate(model, ids, max_new_tokens, dart_head=head, dart_tree_config=tree_config,
-                                    dart_sync_timing=True, dart_cuda_graph=graph)
-            stats = model.dart_stats
-            n = out.shape[1] - ids.shape[1]
-            mismatch = first_mismatch(out, plain_outputs[r][i], ids.shape[1])
-            identical += mismatch is None
-            wall += t
-            new += n
-            prefill += stats.prefill_time
-            steps += stats.steps
-            accepted += sum(stats.accepted_lengths)
-            nodes_seen.append(stats.tree_nodes)
-            for name in PHASES:
-                sums[name] += float(getattr(stats, f"{name}_time", 0.0))
-            rows.append({"repeat": r, "prompt": i, "new_tokens": n, "wall_s": t, "prefill_s": stats.prefill_time,
-                         "steps": stats.steps, "tau": stats.tau, "identical": mismatch is None,
-                         "first_mismatch": mismatch})
-            log(f"  DART prompt {i + 1}/{len(encoded)}: {n} tokens, tau {stats.tau:.2f}, "
-                f"{(t - stats.prefill_time) * 1e3 / max(stats.steps, 1):.1f} ms/step"
-                + ("" if mismatch is None else f", DIFFERS from plain at new token {mismatch}"))
+def dart_run(model, head, tree_config, graph: bool, ids: torch.Tensor, plain_out: torch.Tensor, max_new_tokens: int,
+             repeat: int, prompt: int, synced: bool = True) -> dict:
+    """DART with `tree_config` (and `dart_cuda_graph=graph`) on one prompt, compared with plain's output: its row
+    (per-phase seconds when `synced`)."""
+    out, t = timed_generate(model, ids, max_new_tokens, dart_head=head, dart_tree_config=tree_config,
+                            dart_sync_timing=synced, dart_cuda_graph=graph)
+    stats = model.dart_stats
+    mismatch = first_mismatch(out, plain_out, ids.shape[1])
+    row = {"repeat": repeat, "prompt": prompt, "new_tokens": out.shape[1] - ids.shape[1], "wall_s": t,
+           "prefill_s": stats.prefill_time, "steps": stats.steps, "accepted": sum(stats.accepted_lengths),
+           "tree_nodes": stats.tree_nodes, "tau": stats.tau, "identical": mismatch is None,
+           "first_mismatch": mismatch}
+    if synced:
+        row["phases_s"] = {name: float(getattr(stats, f"{name}_time", 0.0)) for name in PHASES}
+    return row
+
+
+def plain_summary(rows: list[dict]) -> dict:
+    wall = sum(r["wall_s"] for r in rows)
+    new = sum(r["new_tokens"] for r in rows)
+    stepped = [r for r in rows if r["new_tokens"] > 1]
+    first_wall = sum(r["one_token_wall_s"] for r in stepped)
+    steps_tokens = sum(r["new_tokens"] - 1 for r in stepped)
+    return {"prompts": len(rows), "new_tokens": new, "wall_s": wall,
+            "tokens_per_s": new / wall if wall else 0.0, "ms_per_token": wall * 1e3 / new if new else 0.0,
+            "step_ms": (sum(r["wall_s"] for r in stepped) - first_wall) * 1e3 / steps_tokens if steps_tokens else 0.0,
+            "one_token_generate_ms": first_wall * 1e3 / max(1, len(stepped)), "per_prompt": rows}
+
+
+def dart_summary(rows: list[dict], unsynced_rows: list[dict], plain: dict, tree_config, graph: bool,
+                 device: torch.device) -> dict:
+    """One DART setting over the prompts (`rows`, synced) against plain decoding of the same prompts."""
+    wall = sum(r["wall_s"] for r in rows)
+    prefill = sum(r["prefill_s"] for r in rows)
+    new = sum(r["new_tokens"] for r in rows)
+    steps = sum(r["steps"] for r in rows)
+    identical = sum(r["identical"] for r in rows)
     step_ms = (wall - prefill) * 1e3 / steps if steps else 0.0
-    per_step = {f"{name}_ms": sums[name] * 1e3 / steps if steps else 0.0 for name in PHASES}
+    per_step = {f"{name}_ms": sum(r["phases_s"][name] for r in rows) * 1e3 / steps if steps else 0.0
+                for name in PHASES}
     per_step["draft_ms"] = per_step["head_ms"] + per_step["tree_ms"]
     per_step["other_ms"] = step_ms - per_step["head_ms"] - per_step["tree_ms"] - per_step["verify_ms"]
     tokens_per_s = new / wall if wall else 0.0
-    row = {"remain_total": tree_config.remain_total, "cuda_graph": graph, "tree_nodes_max": max(nodes_seen, default=0),
+    row = {"remain_total": tree_config.remain_total, "cuda_graph": graph,
+           "tree_nodes_max": max((r["tree_nodes"] for r in rows), default=0),
            "prompts": len(rows), "identical": identical, "identity": identical == len(rows),
            "new_tokens": new, "wall_s": wall, "tokens_per_s": tokens_per_s,
            "speedup": tokens_per_s / plain["tokens_per_s"] if plain["tokens_per_s"] else 0.0,
-           "steps": steps, "tau": (accepted + steps) / steps if steps else 0.0,
+           "steps": steps, "tau": (sum(r["accepted"] for r in rows) + steps) / steps if steps else 0.0,
            "prefill_ms": prefill * 1e3 / len(rows) if rows else 0.0, "step_ms": step_ms,
            "phases_ms_per_step": per_step,
            "overhead_ms_per_step": step_ms - plain["step_ms"],
            "overhead_fraction": (step_ms - plain["step_ms"]) / plain["step_ms"] if plain["step_ms"] else None}
     # the goal is for a CUDA GPU (H100/H200 class); a CPU run says nothing about it
-    row["overhead_goal_met"] = (row["overhead_fraction"] <= OVERHEAD_GOAL if encoded[0].device.type == "cuda"
+    row["overhead_goal_met"] = (row["overhead_fraction"] <= OVERHEAD_GOAL if device.type == "cuda"
                                 and row["overhead_fraction"] is not None else None)
-    if unsynced_prompts:
-        row["unsynced"] = unsynced_block(model, head, tree_config, graph, encoded[:unsynced_prompts], max_new_tokens,
-                                         [r for r in rows if r["repeat"] == 0][:unsynced_prompts],
-                                         plain_outputs[0][:unsynced_prompts])
-        row["identity"] = row["identity"] and row["unsynced"]["identical"] == row["unsynced"]["prompts"]
+    if unsynced_rows:
+        synced = rows[:len(unsynced_rows)]  # the same prompts, with the phase synchronisations
+
+        def ms_per_step(rs):
+            n = sum(r["steps"] for r in rs)
+            return sum(r["wall_s"] - r["prefill_s"] for r in rs) * 1e3 / n if n else 0.0
+
+        row["unsynced"] = {"prompts": len(unsynced_rows), "identical": sum(r["identical"] for r in unsynced_rows),
+                           "step_ms": ms_per_step(unsynced_rows), "synced_step_ms": ms_per_step(synced),
+                           "sync_cost_ms_per_step": ms_per_step(synced) - ms_per_step(unsynced_rows)}
+        row["identity"] = row["identity"] and row["unsynced"]["identical"] == len(unsynced_rows)
     row["per_prompt"] = rows
     return row
 
 
-def unsynced_block(model, head, tree_config, graph, encoded, max_new_tokens, synced_rows, plain_outputs) -> dict:
-    """The same prompts without `dart_sync_timing`: ms per step with and without the phase synchronisations (and
-    the outputs checked against plain's too)."""
-    wall = prefill = 0.0
-    steps = identical = 0
-    for ids, plain in zip(encoded, plain_outputs):
-        out, t = timed_generate(model, ids, max_new_tokens, dart_head=head, dart_tree_config=tree_config,
-                                dart_cuda_graph=graph)
-        identical += first_mismatch(out, plain, ids.shape[1]) is None
-        wall += t
-        prefill += model.dart_stats.prefill_time
-        steps += model.dart_stats.steps
-    synced_wall = sum(r["wall_s"] for r in synced_rows)
-    synced_steps = sum(r["steps"] for r in synced_rows)
-    synced_prefill = sum(r["prefill_s"] for r in synced_rows)
-    unsynced_ms = (wall - prefill) * 1e3 / steps if steps else 0.0
-    synced_ms = (synced_wall - synced_prefill) * 1e3 / synced_steps if synced_steps else 0.0
-    return {"prompts": len(encoded), "identical": identical, "step_ms": unsynced_ms, "synced_step_ms": synced_ms,
-            "sync_cost_ms_per_step": synced_ms - unsynced_ms}
-
-
 def runs_of(args) -> list[tuple[str, tuple[int, bool]]]:
-    """(label, (draft nodes, CUDA graph)) of every DART block: "60", "60+graph", ..."""
+    """(label, (draft nodes, CUDA graph)) of every DART setting: "60", "60+graph", ..."""
     return [(f"{n}+graph" if graph else str(n), (n, graph)) for n in args.nodes for graph in args.cuda_graph]
 
 
 def run_dtype(dtype_name: str, args, prompts: list[str], progress: Progress, result: dict, save) -> None:
+    """Plain and every DART setting, prompt by prompt (so that a device's warm-up or a slow spell hits them alike),
+    then the unsynced reruns; summaries rewritten after every prompt."""
     device = torch.device(args.device)
     dtype = getattr(torch, dtype_name)
     entry = result["dtypes"].setdefault(dtype_name, {"trees": {}, "skipped": []})
     if progress.elapsed > args.budget_s:
-        entry["skipped"] = ["plain"] + [label for label, _ in runs_of(args)]
+        entry["skipped"] = ["all prompts"]
         progress(f"{dtype_name}: skipped (past the {args.budget_s:.0f} s budget)")
         return
     progress(f"{dtype_name}: loading on {device}")
@@ -296,25 +274,52 @@ def run_dtype(dtype_name: str, args, prompts: list[str], progress: Progress, res
         timed_generate(model, warm, WARMUP_TOKENS, dart_head=head, dart_tree_config=config, dart_sync_timing=True,
                        dart_cuda_graph=graph)
         timed_generate(model, warm, WARMUP_TOKENS, dart_head=head, dart_tree_config=config, dart_cuda_graph=graph)
-    progress(f"{dtype_name}: warmed up; plain decoding")
-    plain, outputs = plain_block(model, encoded, args.max_new_tokens, args.repeats, progress)
-    entry["plain"] = plain
-    progress(f"{dtype_name} plain: {plain['tokens_per_s']:.1f} tok/s, {plain['step_ms']:.2f} ms/step")
-    save()
-    for nodes, (config, graph) in configs.items():
+    progress(f"{dtype_name}: warmed up; plain and DART {', '.join(configs)}, prompt by prompt")
+    plain_rows, plain_outputs = [], []
+    rows = {label: [] for label in configs}
+    unsynced = {label: [] for label in configs}
+
+    def summarize() -> None:
+        entry["plain"] = plain_summary(plain_rows)
+        entry["trees"] = {label: dart_summary(rows[label], unsynced[label], entry["plain"], config, graph, device)
+                          for label, (config, graph) in configs.items() if rows[label]}
+        save()
+
+    order = [(r, i) for r in range(args.repeats) for i in range(len(encoded))]
+    for n, (r, i) in enumerate(order):
         if progress.elapsed > args.budget_s:
-            entry["skipped"].append(str(nodes))
-            progress(f"{dtype_name} DART {nodes} nodes: skipped (past the {args.budget_s:.0f} s budget)")
-            continue
-        progress(f"{dtype_name}: DART, {nodes} draft nodes")
-        row = dart_block(model, head, config, graph, encoded, outputs, args.max_new_tokens, args.repeats,
-                         min(args.unsynced_prompts, len(encoded)), plain, progress)
-        entry["trees"][str(nodes)] = row
-        progress(f"{dtype_name} DART {nodes} nodes: {row['identical']}/{row['prompts']} identical, "
+            entry["skipped"] = [f"prompt {j + 1} repeat {q + 1}" for q, j in order[n:]]
+            progress(f"{dtype_name}: past the {args.budget_s:.0f} s budget, {len(order) - n} prompt runs skipped")
+            break
+        ids = encoded[i]
+        plain_row, plain_out = plain_run(model, ids, args.max_new_tokens, r, i)
+        plain_rows.append(plain_row)
+        plain_outputs.append(plain_out)
+        line = [f"plain {plain_row['wall_s'] * 1e3 / max(plain_row['new_tokens'], 1):.1f} ms/token"]
+        for label, (config, graph) in configs.items():
+            row = dart_run(model, head, config, graph, ids, plain_out, args.max_new_tokens, r, i)
+            rows[label].append(row)
+            step_ms = (row["wall_s"] - row["prefill_s"]) * 1e3 / max(row["steps"], 1)
+            line.append(f"{label}: tau {row['tau']:.2f}, {step_ms:.1f} ms/step"
+                        + ("" if row["identical"] else f", DIFFERS at new token {row['first_mismatch']}"))
+        progress(f"  prompt {i + 1}/{len(encoded)}: " + "; ".join(line))
+        summarize()
+    for n in range(min(args.unsynced_prompts, len(plain_rows))):  # the same first prompts, without phase syncs
+        if progress.elapsed > args.budget_s:
+            entry["skipped"].append(f"unsynced prompts {n + 1}-{args.unsynced_prompts}")
+            break
+        for label, (config, graph) in configs.items():
+            unsynced[label].append(dart_run(model, head, config, graph, encoded[plain_rows[n]["prompt"]],
+                                            plain_outputs[n], args.max_new_tokens, 0, plain_rows[n]["prompt"],
+                                            synced=False))
+    summarize()
+    plain = entry["plain"]
+    progress(f"{dtype_name} plain: {plain['tokens_per_s']:.1f} tok/s, {plain['step_ms']:.2f} ms/step")
+    for label, row in entry["trees"].items():
+        progress(f"{dtype_name} DART {label} nodes: {row['identical']}/{row['prompts']} identical, "
                  f"{row['tokens_per_s']:.1f} tok/s ({row['speedup']:.2f}x), tau {row['tau']:.2f}, "
                  f"{row['step_ms']:.2f} ms/step, overhead {row['overhead_ms_per_step']:.2f} ms "
                  f"({100 * (row['overhead_fraction'] or 0):.0f}% of a plain step)")
-        save()
     del model, head
     if device.type == "cuda":
         torch.cuda.empty_cache()
