@@ -157,6 +157,7 @@ def dart_decoding(model, input_ids: torch.LongTensor, logits_processor, stopping
         search = cached_graph(head.cuda_graphs, (ngram, tree_config), search)
         greedy_paths = cached_graph(head.cuda_graphs, ("greedy_paths", depth), greedy_paths)
     verifier.greedy_paths = greedy_paths
+    host_stops = HostStops.of(stopping_criteria)
     scores, raw_logits = [], []
     stats = DartStats(prompt_tokens=int(attention_mask.sum()), sync_timing=bool(dart_sync_timing))
     model.dart_stats = stats
@@ -170,8 +171,8 @@ def dart_decoding(model, input_ids: torch.LongTensor, logits_processor, stopping
         while True:
             finished = []
             for i, row in enumerate(batch.rows):
-                new_tokens = step.new_ids[i, : step.counts[i]]  # [a+1]
-                emitted, done = _emit(sequences[row], new_tokens, stopping_criteria)
+                new_tokens = step.new_ids[i, : len(step.tokens[i])]  # [a+1]
+                emitted, done = _emit(sequences[row], new_tokens, step.tokens[i], stopping_criteria, host_stops)
                 if want_scores or want_logits:
                     _record_scores(scores, raw_logits, sequences[row], new_tokens[:emitted],
                                    step.logits[i, step.nodes[i, :emitted]], verifier.processors, want_scores,
@@ -222,8 +223,8 @@ class Batch:
 class Step:
     """What the prefill or a verify step hands to emission and the next draft, row i for sequence `Batch.rows[i]`."""
 
-    counts: list[int]  # new tokens of each sequence: accepted draft tokens + the bonus token
-    new_ids: torch.Tensor  # [B, k] those tokens, right-padded (k = the largest count)
+    tokens: list[list[int]]  # new tokens of each sequence, on the host: accepted draft tokens + the bonus token
+    new_ids: torch.Tensor  # [B, k] those tokens, right-padded (k = the longest)
     nodes: torch.Tensor  # [B, k] the node of each token's logits in `logits` (the path, root first)
     logits: torch.Tensor  # [B, N, V] the target logits of the verified tree's nodes (the prompt's last: N = 1)
     aux_rows: torch.Tensor  # [B, R, 3*Ht] the target's tapped hidden states of the head's new rows
@@ -231,7 +232,7 @@ class Step:
     head_lengths: torch.Tensor  # [B] how many of the R rows are real
 
     def select(self, keep: torch.Tensor) -> "Step":
-        return Step([self.counts[i] for i in keep.tolist()], self.new_ids[keep], self.nodes[keep], self.logits[keep],
+        return Step([self.tokens[i] for i in keep.tolist()], self.new_ids[keep], self.nodes[keep], self.logits[keep],
                     self.aux_rows[keep], self.head_ids[keep], self.head_lengths[keep])
 
 
@@ -314,8 +315,8 @@ def prefill(verifier: _Verifier, input_ids: torch.Tensor, attention_mask: torch.
     tokens = torch.where(attention_mask.bool(), input_ids, -1)
     contexts = torch.cat((torch.full((b, context_len), -1, device=device), tokens, first[:, None]), dim=1)
     batch = Batch(list(range(b)), attention_mask.bool(), real, contexts[:, -context_len:])
-    step = Step([1] * b, first[:, None], torch.zeros(b, 1, dtype=torch.long, device=device), logits,
-                aux.gather(1, index[..., None].expand(-1, -1, aux.shape[-1])), shifted.gather(1, index), real)
+    step = Step([[t] for t in first.tolist()], first[:, None], torch.zeros(b, 1, dtype=torch.long, device=device),
+                logits, aux.gather(1, index[..., None].expand(-1, -1, aux.shape[-1])), shifted.gather(1, index), real)
     stats.prefill_time = stats.clock(device) - t0
     return batch, step
 
@@ -366,12 +367,16 @@ def verify_step(verifier: _Verifier, trees: DraftTreeBatch, ancestors: torch.Ten
     logits = out.logits.float()  # [B, N, V]
     paths = verifier.accept(trees, logits, ancestors, sequences)
     d = paths.ranks.shape[1]
-    # the step's one synchronisation: per row [a, ranks (d), nodes (d+1)]
-    host = torch.cat((paths.accept_length[:, None], paths.ranks, paths.nodes), dim=1).tolist()
+    # the step's one synchronisation: per row [a, ranks (d), nodes (d+1), tokens (d+1), bonus]
+    host = torch.cat((paths.accept_length[:, None], paths.ranks, paths.nodes, paths.tokens, paths.bonus[:, None]),
+                     dim=1).tolist()
     accepted = [row[0] for row in host]
+    ranks = [row[1 : 1 + a] for row, a in zip(host, accepted)]
+    path_nodes = [row[1 + d : 2 + d + a] for row, a in zip(host, accepted)]  # root first
+    new_tokens = [row[3 + 2 * d : 3 + 2 * d + a] + [row[-1]] for row, a in zip(host, accepted)]  # drafts, bonus
     k = max(accepted) + 1
     t3 = stats.clock(device)
-    at_front = all(row[1 + d : 2 + d + row[0]] == list(range(row[0] + 1)) for row in host)
+    at_front = all(nodes == list(range(len(nodes))) for nodes in path_nodes)
     keep_accepted_path(verifier.cache, past, paths.nodes[:, :k], at_front)
     t4 = stats.clock(device)
     real = torch.arange(k, device=device) <= paths.accept_length[:, None]  # [B, k]
@@ -383,12 +388,12 @@ def verify_step(verifier: _Verifier, trees: DraftTreeBatch, ancestors: torch.Ten
     batch.contexts = torch.cat((batch.contexts, new_ids), dim=1).gather(
         1, counts[:, None] + torch.arange(batch.contexts.shape[1], device=device))
     aux = tapped_hidden_states(out, verifier.plan.layer_ids)
-    step = Step([a + 1 for a in accepted], new_ids, paths.nodes[:, :k], logits,
+    step = Step(new_tokens, new_ids, paths.nodes[:, :k], logits,
                 aux.gather(1, paths.nodes[:, :k, None].expand(-1, -1, aux.shape[-1])), new_ids, counts)
     stats.forwards += 1
     stats.accepted_lengths += accepted
     stats.batch_rows += batch.rows
-    stats.accepted_ranks += [row[1 : 1 + row[0]] for row in host]
+    stats.accepted_ranks += ranks
     stats.mask_time += t1 - t0
     stats.target_time += t2 - t1
     stats.accept_time += t3 - t2
@@ -483,9 +488,47 @@ def _check_left_padding(attention_mask: torch.Tensor, input_ids: torch.Tensor) -
                              "attention_mask=torch.ones_like(input_ids)")
 
 
-def _emit(sequence, new_tokens, stopping_criteria) -> tuple[int, bool]:
-    """How many of `new_tokens` [k] to append to `sequence` [1, L]: all, or up to the first prefix that meets a
-    stopping criterion."""
+@dataclasses.dataclass(frozen=True)
+class HostStops:
+    """Stopping criteria that the host decides from token ids alone: generate()'s own maximum-length and EOS
+    criteria, what a call without custom criteria, stop strings or `max_time` has."""
+
+    max_length: Optional[int]  # stop once the sequence (prompt and padding included) is this long
+    eos: frozenset  # stop after any of these tokens
+
+    @classmethod
+    def of(cls, criteria) -> Optional["HostStops"]:
+        """The host form of `criteria`, or None when one of them is another kind (or could warn on its own)."""
+        from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+
+        lengths, eos = [], set()
+        for criterion in criteria or ():
+            if type(criterion) is MaxLengthCriteria:
+                if (criterion.max_position_embeddings is not None
+                        and criterion.max_length > criterion.max_position_embeddings):
+                    return None  # it warns once the sequence outgrows the model: leave that to it
+                lengths.append(criterion.max_length)
+            elif type(criterion) is EosTokenCriteria:
+                eos.update(torch.as_tensor(criterion.eos_token_id).flatten().tolist())
+            else:
+                return None
+        return cls(min(lengths, default=None), frozenset(eos))
+
+    def emitted(self, length: int, tokens: list[int]) -> tuple[int, bool]:
+        """`_emit`'s answer for a sequence of `length` tokens and new `tokens`."""
+        for i, token in enumerate(tokens):
+            if token in self.eos or (self.max_length is not None and length + i + 1 >= self.max_length):
+                return i + 1, True
+        return len(tokens), False
+
+
+def _emit(sequence, new_tokens, tokens: list[int], stopping_criteria,
+          host_stops: Optional[HostStops]) -> tuple[int, bool]:
+    """How many of `new_tokens` [k] (`tokens` on the host) to append to `sequence` [1, L]: all, or up to the first
+    prefix that meets a stopping criterion. Every prefix is checked: on the host when `host_stops` stands for the
+    criteria, else by calling them (one host synchronisation per prefix)."""
+    if host_stops is not None:
+        return host_stops.emitted(sequence.shape[1], tokens)
     for i in range(new_tokens.shape[0]):
         if bool(stopping_criteria(torch.cat((sequence, new_tokens[None, : i + 1]), dim=1), None).any()):
             return i + 1, True

@@ -114,6 +114,44 @@ def test_custom_stopping_criteria_checked_on_every_accepted_prefix():
     assert torch.equal(out, plain) and out.shape[1] < full.shape[0]
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_host_stops_equal_calling_the_criteria_on_every_prefix(seed):
+    # generate()'s own max-length and EOS criteria are decided on the host (no synchronisation per token): the
+    # answer must be the criteria's own, prefix by prefix
+    from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+
+    from dart_hf.loop import HostStops, _emit
+
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(40):
+        length = int(torch.randint(3, 12, (1,), generator=g))
+        sequence = torch.randint(0, 8, (1, length), generator=g)
+        new = torch.randint(0, 8, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g)
+        eos = torch.randint(0, 8, (int(torch.randint(1, 3, (1,), generator=g)),), generator=g)
+        criteria = StoppingCriteriaList([MaxLengthCriteria(length + int(torch.randint(1, 7, (1,), generator=g))),
+                                         EosTokenCriteria(eos)])
+        stops = HostStops.of(criteria)
+        assert stops is not None
+        want = _emit(sequence, new, new.tolist(), criteria, None)
+        assert _emit(sequence, new, new.tolist(), criteria, stops) == want
+        # control: a max length one off changes some answers, so the comparison can fail
+        off = HostStops(stops.max_length + 1, stops.eos)
+        if want[1] and new[want[0] - 1].item() not in stops.eos:
+            assert off.emitted(length, new.tolist()) != want
+
+
+def test_host_stops_only_for_generates_own_criteria():
+    from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria
+
+    from dart_hf.loop import HostStops
+
+    assert HostStops.of(StoppingCriteriaList([MaxLengthCriteria(20), EosTokenCriteria([2, 7])])) == HostStops(
+        20, frozenset({2, 7}))
+    assert HostStops.of(StoppingCriteriaList([])) == HostStops(None, frozenset())
+    for other in (EndsWith(3), MaxTimeCriteria(10.0), MaxLengthCriteria(600, max_position_embeddings=512)):
+        assert HostStops.of(StoppingCriteriaList([MaxLengthCriteria(20), other])) is None
+
+
 class RecordingStreamer(BaseStreamer):
     def __init__(self):
         self.puts, self.ended = [], False
