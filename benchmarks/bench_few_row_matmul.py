@@ -46,7 +46,7 @@ def measure(model, sizes, repeats: int, product) -> dict:
             times = []
             for i in range(repeats + 1):
                 t0 = time.perf_counter()
-                with few_row_linears(model, product=product):  # tree_forward's call, with `product`
+                with few_row_linears(model, product=product):  # the loop's tree forward, with `product`
                     model(input_ids=block[:, :k], position_ids=positions, attention_mask=mask, past_key_values=cache,
                           use_cache=True, output_hidden_states=[2, 15, 27])
                 elapsed = time.perf_counter() - t0

@@ -22,8 +22,9 @@ inside DART's loop, so the phase times are device time):
   within it head / tree / mask / target / accept / compact / verify / other ms, the overhead per step over a plain
   step (DART step ms - plain step ms; as a fraction of the plain step: the goal on an H100/H200-class GPU is <= 0.15)
   and the speedup (DART tokens/s over plain's);
-- `--unsynced-prompts` (1): the first prompts run once more without `dart_sync_timing`, so the cost of the
-  phase synchronisations shows (`sync_cost_ms_per_step`; the synced numbers are the conservative ones).
+- `--unsynced-prompts` (1): the first prompts run once more without `dart_sync_timing`, right after their synced run,
+  so the cost of the phase synchronisations shows (`sync_cost_ms_per_step`; the synced numbers are the conservative
+  ones).
 
 Prompts: MT-Bench first turns (chat template) from `--prompt-file` (JSON lines with "turns" lists, or "prompt" /
 "text" strings), by default `../shared/data/mt_bench_questions.jsonl` beside the checkout; the repository ships no
@@ -42,9 +43,9 @@ at about 27 ms/token and a DART step takes about 40 ms; the shipped head's tau o
 at 8 / 16 / 60 nodes (benchmarks/results/tree_settings.json). Per dtype: plain 8 x 128 tokens ~ 28 s, each tree
 ~ 8 x 128 / tau steps x 40 ms ~ 17-21 s plus ~ 2.5 s for its unsynced prompt, warm-up and loading ~ 6 s: ~ 95 s. Two
 dtypes ~ 3.2 min, with Python start-up and the GGUF's one-time conversion ~ 3.7 min. Plain decoding is therefore
-timed once per prompt (not per tree). `--budget-s` (default 270) starts no prompt (and no unsynced rerun) after that
-many seconds (the JSON then lists what it skipped; exit status 2), so a slower machine still ends near 5 minutes
-with every setting measured on the same prompts.
+timed once per prompt (not per tree). `--budget-s` (default 270) starts no prompt after that many seconds (the JSON
+then lists the prompt runs it skipped; exit status 2), so a slower machine still ends near 5 minutes with every
+setting measured on the same prompts.
 """
 
 from __future__ import annotations
@@ -275,7 +276,7 @@ def run_dtype(dtype_name: str, args, prompts: list[str], progress: Progress, res
                        dart_cuda_graph=graph)
         timed_generate(model, warm, WARMUP_TOKENS, dart_head=head, dart_tree_config=config, dart_cuda_graph=graph)
     progress(f"{dtype_name}: warmed up; plain and DART {', '.join(configs)}, prompt by prompt")
-    plain_rows, plain_outputs = [], []
+    plain_rows = []
     rows = {label: [] for label in configs}
     unsynced = {label: [] for label in configs}
 
@@ -294,24 +295,18 @@ def run_dtype(dtype_name: str, args, prompts: list[str], progress: Progress, res
         ids = encoded[i]
         plain_row, plain_out = plain_run(model, ids, args.max_new_tokens, r, i)
         plain_rows.append(plain_row)
-        plain_outputs.append(plain_out)
         line = [f"plain {plain_row['wall_s'] * 1e3 / max(plain_row['new_tokens'], 1):.1f} ms/token"]
         for label, (config, graph) in configs.items():
             row = dart_run(model, head, config, graph, ids, plain_out, args.max_new_tokens, r, i)
             rows[label].append(row)
+            if r == 0 and i < args.unsynced_prompts:  # right after, without the phase synchronisations
+                unsynced[label].append(dart_run(model, head, config, graph, ids, plain_out, args.max_new_tokens, r,
+                                                i, synced=False))
             step_ms = (row["wall_s"] - row["prefill_s"]) * 1e3 / max(row["steps"], 1)
             line.append(f"{label}: tau {row['tau']:.2f}, {step_ms:.1f} ms/step"
                         + ("" if row["identical"] else f", DIFFERS at new token {row['first_mismatch']}"))
         progress(f"  prompt {i + 1}/{len(encoded)}: " + "; ".join(line))
         summarize()
-    for n in range(min(args.unsynced_prompts, len(plain_rows))):  # the same first prompts, without phase syncs
-        if progress.elapsed > args.budget_s:
-            entry["skipped"].append(f"unsynced prompts {n + 1}-{args.unsynced_prompts}")
-            break
-        for label, (config, graph) in configs.items():
-            unsynced[label].append(dart_run(model, head, config, graph, encoded[plain_rows[n]["prompt"]],
-                                            plain_outputs[n], args.max_new_tokens, 0, plain_rows[n]["prompt"],
-                                            synced=False))
     summarize()
     plain = entry["plain"]
     progress(f"{dtype_name} plain: {plain['tokens_per_s']:.1f} tok/s, {plain['step_ms']:.2f} ms/step")
@@ -392,7 +387,7 @@ def parse_args(argv=None):
     parser.add_argument("--unsynced-prompts", type=int, default=1,
                         help="prompts run again per tree without dart_sync_timing (default 1; 0: none)")
     parser.add_argument("--budget-s", type=float, default=270.0,
-                        help="start no block after this many seconds (default 270)")
+                        help="start no prompt after this many seconds (default 270)")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     parser.add_argument("--cuda-graph", default=None,
                         help="off, on or off,on: DART runs without / with dart_cuda_graph (default: off,on on CUDA, "

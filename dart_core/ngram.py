@@ -463,7 +463,9 @@ class NGramModel:
         idx = torch.searchsorted(self._keys_search, queries)  # always a valid index into self.keys
         cnt = self.counts.take(idx).mul_(self.keys.take(idx) == queries).view(n, width, 1 + m)  # [N, K, 1+M]
         # per level l: [count(context suffix of length l+1), count(suffix + candidate) for each candidate]
-        q_all = cnt[:, :, 1:] / cnt[:, :, :1].clamp_min(1)  # [N, K, M] float32, > 0 exactly where matched
+        # [N, K, M] float32, > 0 exactly where matched; at most 1 even for a table whose counts are not those of one
+        # corpus (the tree search relies on log q <= 0: `TreeConfig.draft_levels`)
+        q_all = (cnt[:, :, 1:] / cnt[:, :, :1].clamp_min(1)).clamp_max_(1.0)
         levels = q_all.unbind(1)
         q = levels[0]
         for ql in levels[1:]:  # longer contexts override shorter ones where matched

@@ -58,10 +58,10 @@ import torch
 from dart_core import DartHead, TreeConfig
 from dart_core.io import atomic_write
 from dart_hf.loop import DartStats, dart_decoding
-from dart_hf.target import (first_eos, keep_accepted_path, plan_for, tree_attention_mask, tree_forward,
-                            tree_forwards)
+from dart_hf.target import (GROUPED_SDPA, first_eos, keep_accepted_path, plan_for, tree_attention_mask,
+                            tree_forward, tree_forwards)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: verify forwards with grouped-query attention (faster: older tree sizes are stale)
 LATENCY_GRID = (1, 2, 4, 8, 16, 32, 64)
 CANDIDATES = (1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 60)
 DEFAULT_PROMPTS = (
@@ -400,8 +400,10 @@ def _tensor_digest(tensors: dict[str, torch.Tensor]) -> str:
 def target_identity(model) -> str:
     config = {k: v for k, v in model.config.to_dict().items()
               if not k.startswith("_") and k != "transformers_version"}
+    attention = getattr(model.config, "_attn_implementation", None)
+    attention = "sdpa" if attention == GROUPED_SDPA else attention  # switched by a DART call running now
     return _digest({"class": type(model).__name__, "config": config, "dtype": str(next(model.parameters()).dtype),
-                    "attention": getattr(model.config, "_attn_implementation", None)})
+                    "attention": attention})
 
 
 def head_identity(head: DartHead, base: TreeConfig) -> str:

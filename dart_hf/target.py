@@ -49,7 +49,7 @@ def plan_for(model, head: DartHead, tokenizer=None) -> TargetPlan:
 def check_attention(model) -> None:
     """Tree verification needs an attention implementation that takes a 4D additive mask."""
     impl = getattr(model.config, "_attn_implementation", None) or "eager"
-    if impl not in TREE_ATTENTION_IMPLEMENTATIONS:
+    if impl not in TREE_ATTENTION_IMPLEMENTATIONS + (GROUPED_SDPA,):  # the latter: another DART call is running
         raise DartInputError(f"DART tree decoding needs attention that accepts a tree mask "
                              f"({', '.join(TREE_ATTENTION_IMPLEMENTATIONS)}); "
                              f"the model uses {impl!r}. Load it with attn_implementation='sdpa' "
@@ -108,8 +108,9 @@ def tree_forwards(model) -> Iterator[None]:
 # ---- grouped-query attention without copies of the keys and values ------------------------------------------------
 GROUPED_SDPA = "dart_grouped_sdpa"  # its name in transformers' attention (and attention-mask) interfaces
 SDPA_EXTRAS = ("position_bias", "softcap", "cache", "s_aux")  # what sdpa does beyond plain attention: left to it
-# inside `grouped_attention`: [(mask, G, grouped mask)] of the last mask seen, so that the layers of one forward
-# share one grouped mask (the entry holds the mask, so `is` cannot match another tensor)
+# inside `grouped_attention`: [(mask, its version counter, G, grouped mask)] of the last mask seen, so that the layers
+# of one forward share one grouped mask (the entry holds the mask, so `is` cannot match another tensor, and the
+# version counter catches an in-place change)
 _LAST_GROUPED_MASK: contextvars.ContextVar[Optional[list]] = contextvars.ContextVar("dart_grouped_mask", default=None)
 
 
@@ -130,20 +131,23 @@ def grouped_sdpa_attention(module, query: torch.Tensor, key: torch.Tensor, value
     groups = getattr(module, "num_key_value_groups", 1)
     b, h, n, hd = query.shape
     s = key.shape[2]
-    if (groups == 1 or n == 1 or attention_mask is None or tuple(attention_mask.shape[1:]) != (1, n, s)
-            or dropout or any(kwargs.get(name) is not None for name in SDPA_EXTRAS)):
+    if (groups == 1 or n == 1 or key.shape[1] * groups != h or value.shape[-1] != hd or attention_mask is None
+            or tuple(attention_mask.shape[1:]) != (1, n, s) or dropout
+            or any(kwargs.get(name) is not None for name in SDPA_EXTRAS)):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     stacked = query.reshape(b, h // groups, groups * n, hd)  # head kv*G + g, query i -> row g*N + i of head kv
     last = _LAST_GROUPED_MASK.get()
-    if last is not None and last[0] is not None and last[0][0] is attention_mask and last[0][1] == groups:
-        mask = last[0][2]
+    memo = (attention_mask, attention_mask._version, groups)
+    if last is not None and last[0] is not None and last[0][0] is memo[0] and last[0][1:3] == memo[1:]:
+        mask = last[0][3]
     else:
         mask = attention_mask.expand(b, 1, n, s).repeat(1, 1, groups, 1)  # [B, 1, G*N, S]
         if last is not None:
-            last[0] = (attention_mask, groups, mask)
+            last[0] = (*memo, mask)
     out = F.scaled_dot_product_attention(stacked, key, value, attn_mask=mask, scale=scaling)  # [B, H/G, G*N, hd]
-    return out.view(b, h, n, hd).transpose(1, 2).contiguous(), None
+    # reshape, not view: CUDA's memory-efficient kernel returns this shape in a transposed layout
+    return out.reshape(b, h, n, hd).transpose(1, 2).contiguous(), None
 
 
 @contextlib.contextmanager
@@ -160,11 +164,13 @@ def grouped_attention(model) -> Iterator[None]:
                and getattr(m.config, "_attn_implementation", None) == "sdpa"}
     for config in configs.values():  # the attribute, not the setter (which rewrites every sub-config)
         config._attn_implementation_internal = GROUPED_SDPA
-    token = _LAST_GROUPED_MASK.set([None])
     try:
-        yield
+        token = _LAST_GROUPED_MASK.set([None])
+        try:
+            yield
+        finally:
+            _LAST_GROUPED_MASK.reset(token)
     finally:
-        _LAST_GROUPED_MASK.reset(token)
         for config in configs.values():
             config._attn_implementation_internal = "sdpa"
 

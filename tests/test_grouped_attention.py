@@ -7,7 +7,8 @@ import torch
 from transformers import DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from dart_hf.target import GROUPED_SDPA, grouped_attention, grouped_sdpa_attention, tree_attention_mask, tree_forwards
+from dart_hf.target import (GROUPED_SDPA, check_attention, grouped_attention, grouped_sdpa_attention,
+                            tree_attention_mask, tree_forwards)
 from hf_models import tiny_target
 
 
@@ -38,6 +39,22 @@ def test_equals_transformers_sdpa_on_random_masks(seed, b, heads, kv, n, s, bool
         assert not torch.allclose(wrong, want, rtol=1e-3, atol=1e-4)
 
 
+def test_attention_output_in_a_transposed_layout(monkeypatch):
+    # CUDA's memory-efficient kernel returns [B, Hk, G*N, hd] laid out as [B, G*N, Hk, hd] (not viewable as heads)
+    import dart_hf.target as target
+
+    sdpa = target.F.scaled_dot_product_attention
+
+    def transposed_layout(*args, **kwargs):
+        return sdpa(*args, **kwargs).transpose(1, 2).contiguous().transpose(1, 2)
+
+    module, q, k, v, mask = random_case(8, 2, 9, 3, 4, 20, False)
+    want, _ = sdpa_attention_forward(module, q, k, v, mask)
+    monkeypatch.setattr(target.F, "scaled_dot_product_attention", transposed_layout)
+    got, _ = grouped_sdpa_attention(module, q, k, v, mask)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_each_new_mask_is_used_inside_one_block():
     # the layers of one forward share one grouped mask; a new mask (the next step) must never get the old one
     model = tiny_target()
@@ -47,6 +64,9 @@ def test_each_new_mask_is_used_inside_one_block():
         for mask in (first, first, second, first):
             got, _ = grouped_sdpa_attention(module, q, k, v, mask)
             torch.testing.assert_close(got, sdpa_attention_forward(module, q, k, v, mask)[0], rtol=1e-5, atol=1e-6)
+        first.add_(torch.where(torch.rand(first.shape) < 0.5, -1e9, 0.0))  # changed in place: not the memo's any more
+        got, _ = grouped_sdpa_attention(module, q, k, v, first)
+        torch.testing.assert_close(got, sdpa_attention_forward(module, q, k, v, first)[0], rtol=1e-5, atol=1e-6)
 
 
 def test_other_cases_are_transformers_sdpa_itself():
@@ -57,8 +77,18 @@ def test_other_cases_are_transformers_sdpa_itself():
                            sdpa_attention_forward(module, q, k, v, mask)[0])
 
 
-def test_tree_forwards_matches_the_model_and_restores_it():
+def test_tree_forwards_matches_the_model_and_restores_it(monkeypatch):
+    import dart_hf.target as target
+
     model = tiny_target()
+    stacked_calls = {"n": 0}
+    sdpa = target.F.scaled_dot_product_attention
+
+    def counting(query, *args, **kwargs):
+        stacked_calls["n"] += query.shape[1] * 2 == model.config.num_attention_heads  # heads stacked 2 per kv head
+        return sdpa(query, *args, **kwargs)
+
+    monkeypatch.setattr(target.F, "scaled_dot_product_attention", counting)
     ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(0))
     attention_mask = torch.ones_like(ids)
     attention_mask[1, :3] = 0  # a left-padded row: inside the block, transformers' mask construction still applies
@@ -77,8 +107,12 @@ def test_tree_forwards_matches_the_model_and_restores_it():
         want = run()
         with tree_forwards(model):
             assert model.config._attn_implementation == GROUPED_SDPA
+            check_attention(model)  # what a second DART call sees while this one runs
             got = run()
         assert model.config._attn_implementation == "sdpa"
+    # inside the block every forward with a 4D mask took the grouped path (the padded prompts' masks are 4D too):
+    # three forwards in `run`, none outside the block
+    assert stacked_calls["n"] == 3 * model.config.num_hidden_layers
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 

@@ -130,6 +130,7 @@ def test_levels_past_remain_total_change_nothing(seed):
     tokens, probs = zip(*(random_inputs(rng, levels, k, vocab, sharp=r.choice([0.5, 3.0, 60.0])) for _ in range(3)))
     tokens, probs = torch.stack(tokens), torch.stack(probs)
     contexts = torch.randint(0, vocab, (3, 2), generator=rng)
+    differs_one_level_short = 0
     for remain_total in (1, 2, 3, 5, 8):
         cfg = TreeConfig(topk=k, beam_width=r.choice([1, 4]), remain_total=remain_total,
                          ngram_weight=r.choice([0.0, 0.5]), eos_token_id=r.choice([None, 0]))
@@ -139,6 +140,10 @@ def test_levels_past_remain_total_change_nothing(seed):
         cut = build_draft_trees(tokens[:, :kept], probs[:, :kept], contexts, ngram, cfg)
         for a, b in zip(full.tensors(), cut.tensors()):
             assert torch.equal(a, b)
+        if kept > 1:  # control: one level fewer changes the trees, so the comparison above can fail
+            short = build_draft_trees(tokens[:, :kept - 1], probs[:, :kept - 1], contexts, ngram, cfg)
+            differs_one_level_short += not all(torch.equal(a, b) for a, b in zip(full.tensors(), short.tensors()))
+    assert differs_one_level_short > 0
 
 
 def test_draft_levels_bounds():
