@@ -13,11 +13,16 @@ calibration for this machine if there is one (`dart-spec demo --calibrate`), els
 two-row `W @ x.T` product (the row twice, one result kept) - the few-row kernel DART's verify step uses
 (`dart_core.matmul`), given to plain decoding too. It tells how much of the speedup is that kernel rather than
 drafting: `speedup_vs_kernel_control` is DART over it.
+
+`--head-dtype-control DTYPE` adds DART with a copy of the head in DTYPE (e.g. float32, when `load_default` gave the
+head bfloat16: `dart_hf.default.default_head_dtype`): `head_dtype_control_tokens_per_s`, its tau and identity, and
+`speedup_vs_head_dtype_control` (DART over it) tell what the head's dtype is worth.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import statistics
@@ -61,6 +66,8 @@ def main(argv=None) -> int:
     parser.add_argument("--remain-total", type=int, help="draft nodes per tree (default: calibrated, else the head's)")
     parser.add_argument("--kernel-control", action="store_true",
                         help="also time plain decoding with the few-row kernel (see above)")
+    parser.add_argument("--head-dtype-control", metavar="DTYPE",
+                        help="also time DART with the head cast to DTYPE, e.g. float32 (see above)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     model, tokenizer, head = dart_hf.load_default(args.head)
@@ -68,12 +75,19 @@ def main(argv=None) -> int:
         head.tree_config = dataclasses.replace(head.tree_config or head.default_tree_config(tokenizer.eos_token_id),
                                                remain_total=args.remain_total)
     dart_hf.enable(model)
+    other_head = None
+    if args.head_dtype_control:
+        other_head = copy.deepcopy(head).to(getattr(torch, args.head_dtype_control))
+        other_head.set_input_embeddings(model.get_input_embeddings())
     results = {"max_new_tokens": args.max_new_tokens, "threads": args.threads,
-               "tree_nodes": head.tree_config.remain_total if head.tree_config else None, "sets": {}}
+               "tree_nodes": head.tree_config.remain_total if head.tree_config else None,
+               "head_dtype": str(head.fc.weight.dtype).replace("torch.", ""),
+               "head_dtype_control": args.head_dtype_control, "sets": {}}
     for name, prompts in prompt_sets(args.mt_bench, args.humaneval).items():
         plain_tokens = dart_tokens = control_tokens = 0
         plain_time = dart_time = control_time = 0.0
         accepted, identical, control_identical = [], 0, 0
+        other = {"tokens": 0, "time": 0.0, "accepted": [], "identical": 0}
         for text in prompts:
             ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                                 return_tensors="pt", return_dict=True)["input_ids"]
@@ -90,6 +104,12 @@ def main(argv=None) -> int:
                 control_identical += int(torch.equal(plain, control))
                 control_tokens += control.shape[1] - ids.shape[1]
                 control_time += t_control
+            if other_head is not None:
+                out, t_other = timed_generate(model, ids, args.max_new_tokens, dart_head=other_head)
+                other["identical"] += int(torch.equal(plain, out))
+                other["tokens"] += out.shape[1] - ids.shape[1]
+                other["time"] += t_other
+                other["accepted"] += model.dart_stats.accepted_lengths
         pooled = dart_hf.DartStats(accepted_lengths=accepted)  # every verify step of the set
         row = {"prompts": len(prompts), "identical": identical,
                "plain_tokens_per_s": plain_tokens / plain_time, "dart_tokens_per_s": dart_tokens / dart_time,
@@ -103,6 +123,14 @@ def main(argv=None) -> int:
             control = (f", plain with the few-row kernel {row['control_tokens_per_s']:.1f} tok/s "
                        f"({control_identical}/{len(prompts)} identical to plain; "
                        f"DART {row['speedup_vs_kernel_control']:.2f}x of it)")
+        if other_head is not None:
+            row.update(head_dtype_control_tokens_per_s=other["tokens"] / other["time"],
+                       head_dtype_control_identical=other["identical"],
+                       head_dtype_control_tau=dart_hf.DartStats(accepted_lengths=other["accepted"]).tau)
+            row["speedup_vs_head_dtype_control"] = row["dart_tokens_per_s"] / row["head_dtype_control_tokens_per_s"]
+            control += (f", DART with a {args.head_dtype_control} head {row['head_dtype_control_tokens_per_s']:.1f} "
+                        f"tok/s (tau {row['head_dtype_control_tau']:.2f}, {other['identical']}/{len(prompts)} "
+                        f"identical; DART {row['speedup_vs_head_dtype_control']:.2f}x of it)")
         results["sets"][name] = row
         print(f"{name}: {identical}/{len(prompts)} identical, plain {row['plain_tokens_per_s']:.1f} tok/s, "
               f"DART {row['dart_tokens_per_s']:.1f} tok/s, speedup {row['speedup']:.2f}x, tau {row['tau']:.2f}, "

@@ -111,7 +111,8 @@ def model_demo(prompt: str = DEFAULT_PROMPT, max_new_tokens: int = 128, repeats:
     device = next(model.parameters()).device
     dtype = str(next(model.parameters()).dtype).replace("torch.", "")
     print(f"dart-spec demo: SmolLM2-135M-Instruct ({dtype}, {device}, {threads} "
-          f"thread{'s' if threads > 1 else ''}) + DART head (D={head.config.draft_length}, draft vocab "
+          f"thread{'s' if threads > 1 else ''}) + DART head ({str(head.fc.weight.dtype).replace('torch.', '')}, "
+          f"D={head.config.draft_length}, draft vocab "
           f"{head.config.draft_vocab_size}, {'no n-gram' if head.ngram is None else f'{head.ngram.order}-gram'}); "
           f"tree of {tree_config.remain_total} draft nodes ({source})")
     ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,

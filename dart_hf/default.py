@@ -6,19 +6,34 @@ import os
 from pathlib import Path
 from typing import Optional
 
+import torch
+
 from dart_core import DartHead
 
 DEFAULT_HEAD_DIR = Path(__file__).resolve().parent / "assets" / "smollm2-135m-dart"
+# x86 CPUs on which the head computes in bfloat16 beside a float32 target (BENCHMARKS.md, "Head dtype on the CPU")
+BF16_HEAD_CPU_CAPABILITIES = ("AVX2", "AVX512")
+
+
+def default_head_dtype(target_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype `load_default` gives the head: bfloat16 beside a float32 target on an x86 CPU with AVX2 or newer, else
+    the target's. The head's step pushes a few rows through ~10 M weights and is bound by reading them: bfloat16 reads
+    half the bytes. Drafts may change slightly; outputs cannot (the target verifies every token)."""
+    if (device.type == "cpu" and target_dtype == torch.float32
+            and torch.backends.cpu.get_cpu_capability() in BF16_HEAD_CPU_CAPABILITIES):
+        return torch.bfloat16
+    return target_dtype
 
 
 def load_default(head_dir: Optional[str | os.PathLike] = None, *, use_calibration: bool = True,
-                 attn_implementation: str = "sdpa"):
+                 attn_implementation: str = "sdpa", head_dtype: Optional[torch.dtype] = None):
     """(model, tokenizer, dart_head): SmolLM2-135M-Instruct from `load_smollm2()` (enabled for `dart_head=`) and
     the head in `head_dir` (default: the shipped `dart_hf/assets/smollm2-135m-dart/`), offline.
 
-    The head is cast to the model's dtype and device and shares its embedding. Its tree settings are the cached
-    calibration for this machine when there is one (`dart_hf.calibration`; nothing is calibrated here), else the head's
-    own `tree_config`. Raises FileNotFoundError naming the directory when the head is missing.
+    The head is on the model's device in `head_dtype` (default: `default_head_dtype`) and shares its embedding. Its
+    tree settings are the cached calibration for this machine when there is one (`dart_hf.calibration`; nothing is
+    calibrated here), else the head's own `tree_config`. Raises FileNotFoundError naming the directory when the head
+    is missing.
     """
     from dart_hf.calibration import cached_calibration
     from dart_hf.enable import enable
@@ -32,7 +47,8 @@ def load_default(head_dir: Optional[str | os.PathLike] = None, *, use_calibratio
     model, tokenizer = load_smollm2(attn_implementation=attn_implementation)
     enable(model)
     param = next(model.parameters())
-    head = DartHead.from_pretrained(directory, dtype=param.dtype, device=param.device)
+    dtype = head_dtype or default_head_dtype(param.dtype, param.device)
+    head = DartHead.from_pretrained(directory, dtype=dtype, device=param.device)
     head.eval()
     plan_for(model, head, tokenizer)
     if use_calibration:

@@ -12,7 +12,7 @@ from dart_core import NGramModel, TreeConfig, build_draft_tree, topk_draft_token
 from dart_core.tree import score_ranks
 from dart_hf.calibration import (Calibration, cached_calibration, calibration_dir, choose_tree_size, interpolate,
                                monotone, run_calibration, tuned_tree_config)
-from dart_hf.default import DEFAULT_HEAD_DIR, load_default
+from dart_hf.default import DEFAULT_HEAD_DIR, default_head_dtype, load_default
 from hf_models import oracle_head, random_head, tiny_target
 
 calibrate_module = sys.modules["dart_hf.calibration"]
@@ -199,10 +199,21 @@ def test_load_default_uses_a_cached_calibration(tmp_path, cache_root, monkeypatc
     saved.save_pretrained(tmp_path / "head", dtype=torch.float16)
     model, tokenizer, head = load_default(tmp_path / "head")
     assert head.tree_config == saved.tree_config and head.get_input_embeddings() is model.get_input_embeddings()
-    assert head.fc.weight.dtype == torch.float32
+    assert head.fc.weight.dtype == default_head_dtype(torch.float32, torch.device("cpu"))
     tree = dart_hf.calibrate(model, tokenizer, head, [PROMPT], **SMALL)
     assert tree.beam_width == 9
     _, _, again = load_default(tmp_path / "head")
     assert again.tree_config == tree
     _, _, plain = load_default(tmp_path / "head", use_calibration=False)
     assert plain.tree_config == saved.tree_config
+    _, _, fp32 = load_default(tmp_path / "head", head_dtype=torch.float32)
+    assert fp32.fc.weight.dtype == torch.float32
+
+
+def test_default_head_dtype(monkeypatch):
+    cpu = torch.device("cpu")
+    for capability, want in (("AVX2", torch.bfloat16), ("AVX512", torch.bfloat16), ("DEFAULT", torch.float32)):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
+        assert default_head_dtype(torch.float32, cpu) == want
+        assert default_head_dtype(torch.float16, cpu) == torch.float16  # only beside a float32 target
+        assert default_head_dtype(torch.float32, torch.device("cuda")) == torch.float32  # the CPU only
