@@ -137,17 +137,23 @@ def grouped_sdpa_attention(module, query: torch.Tensor, key: torch.Tensor, value
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     stacked = query.reshape(b, h // groups, groups * n, hd)  # head kv*G + g, query i -> row g*N + i of head kv
-    last = _LAST_GROUPED_MASK.get()
-    memo = (attention_mask, attention_mask._version, groups)
-    if last is not None and last[0] is not None and last[0][0] is memo[0] and last[0][1:3] == memo[1:]:
-        mask = last[0][3]
-    else:
-        mask = attention_mask.expand(b, 1, n, s).repeat(1, 1, groups, 1)  # [B, 1, G*N, S]
-        if last is not None:
-            last[0] = (*memo, mask)
+    mask = _grouped_mask(attention_mask, b, groups)  # [B, 1, G*N, S]
     out = F.scaled_dot_product_attention(stacked, key, value, attn_mask=mask, scale=scaling)  # [B, H/G, G*N, hd]
     # reshape, not view: CUDA's memory-efficient kernel returns this shape in a transposed layout
     return out.reshape(b, h, n, hd).transpose(1, 2).contiguous(), None
+
+
+def _grouped_mask(mask: torch.Tensor, batch: int, groups: int) -> torch.Tensor:
+    """mask [B or 1, 1, N, S] -> [B, 1, G*N, S] (the N rows repeated G times); inside `grouped_attention`, made once
+    per mask (every layer of a forward gets the same one) unless the mask changed in place."""
+    slot = _LAST_GROUPED_MASK.get()
+    version = (mask._version, groups)
+    if slot is not None and slot[0] is not None and slot[0][0] is mask and slot[0][1] == version:
+        return slot[0][2]
+    grouped = mask.expand(batch, -1, -1, -1).repeat(1, 1, groups, 1)
+    if slot is not None:
+        slot[0] = (mask, version, grouped)
+    return grouped
 
 
 @contextlib.contextmanager

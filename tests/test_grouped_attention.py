@@ -57,13 +57,18 @@ def test_attention_output_in_a_transposed_layout(monkeypatch):
 
 def test_each_new_mask_is_used_inside_one_block():
     # the layers of one forward share one grouped mask; a new mask (the next step) must never get the old one
+    import dart_hf.target as target
+
     model = tiny_target()
     module, q, k, v, first = random_case(4, 1, 4, 2, 3, 10, False)
     *_, second = random_case(5, 1, 4, 2, 3, 10, False)
     with grouped_attention(model):
+        made = []
         for mask in (first, first, second, first):
             got, _ = grouped_sdpa_attention(module, q, k, v, mask)
             torch.testing.assert_close(got, sdpa_attention_forward(module, q, k, v, mask)[0], rtol=1e-5, atol=1e-6)
+            made.append(target._LAST_GROUPED_MASK.get()[0][2])
+        assert made[0] is made[1] and made[1] is not made[2]  # one grouped mask per mask, a new one per new mask
         first.add_(torch.where(torch.rand(first.shape) < 0.5, -1e9, 0.0))  # changed in place: not the memo's any more
         got, _ = grouped_sdpa_attention(module, q, k, v, first)
         torch.testing.assert_close(got, sdpa_attention_forward(module, q, k, v, first)[0], rtol=1e-5, atol=1e-6)
