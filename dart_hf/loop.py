@@ -180,7 +180,7 @@ def dart_decoding(model, input_ids: torch.LongTensor, logits_processor, stopping
                 sequences[row] = torch.cat((sequences[row], new_tokens[None, :emitted]), dim=1)
                 stats.new_tokens += emitted
                 if streamer is not None:
-                    streamer.put(new_tokens[:emitted].cpu())
+                    streamer.put(torch.tensor(step.tokens[i][:emitted]))  # from the host: no device read
                 if done:
                     finished.append(i)
             if len(finished) == len(batch.rows):
