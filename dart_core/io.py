@@ -204,20 +204,37 @@ def staged_directory(dst: str, force: bool, sources: Iterable[str] = ()) -> Iter
         raise
 
 
+# the prefix of the directory that holds a destination's old copy while the new one is swapped in
+ASIDE_PREFIX = ".old-"
+
+
 def replace_directory(tmp: str, dst: str) -> None:
-    """Move the finished directory `tmp` to `dst`, replacing an existing one: the old copy waits as `dst.old`
-    until the new one is in place (put back if that fails), so a crash leaves one complete copy (`dst` or
-    `dst.old`)."""
-    old = dst + ".old"
-    if os.path.lexists(old):
-        shutil.rmtree(old)
+    """Move the finished directory `tmp` to `dst`, replacing an existing one: the old copy waits in a new directory
+    of a fresh name beside `dst` (`set_aside_copies`) until the new one is in place (put back if that fails), so a
+    crash leaves one complete copy. Only that new directory is ever removed: no other path is touched."""
+    aside = None
     if os.path.lexists(dst):
-        os.replace(dst, old)
+        aside = make_temp_dir(os.path.dirname(dst), f"{ASIDE_PREFIX}{os.path.basename(dst)}-")
+        os.replace(dst, os.path.join(aside, os.path.basename(dst)))
     try:
         os.replace(tmp, dst)
     except BaseException:
-        if os.path.lexists(old) and not os.path.lexists(dst):
-            os.replace(old, dst)
+        if aside is not None and not os.path.lexists(dst):
+            os.replace(os.path.join(aside, os.path.basename(dst)), dst)
+            os.rmdir(aside)
         raise
-    if os.path.lexists(old):
-        shutil.rmtree(old)
+    if aside is not None:
+        shutil.rmtree(aside)
+
+
+def set_aside_copies(dst: str | os.PathLike) -> list[str]:
+    """The old copies of `dst` that an interrupted `replace_directory` left beside it, newest first (each
+    `<parent>/.old-<name>-XXXX/<name>`)."""
+    dst = os.path.abspath(os.fspath(dst))
+    parent, name = os.path.split(dst)
+    if not os.path.isdir(parent):
+        return []
+    holders = [os.path.join(parent, entry) for entry in os.listdir(parent)
+               if entry.startswith(f"{ASIDE_PREFIX}{name}-") and os.path.isdir(os.path.join(parent, entry))
+               and os.listdir(os.path.join(parent, entry)) == [name]]
+    return [os.path.join(h, name) for h in sorted(holders, key=os.path.getmtime, reverse=True)]

@@ -41,7 +41,7 @@ import torch
 from dart_core import DartConfig, DartHead, Eagle3Head, NGramModel
 from dart_core.config import check_float, check_int
 from dart_core.errors import DartInputError
-from dart_core.io import WEIGHT_DTYPES, atomic_write, staged_directory
+from dart_core.io import WEIGHT_DTYPES, atomic_write, set_aside_copies, staged_directory
 from dart_hf.target import first_eos
 from dart_train.data import read_shards
 from dart_train.features import Batch, collate, target_features
@@ -151,12 +151,16 @@ class TrainConfig:
 
 
 # what a run writes into its output directory (`--force` removes these, nothing else)
-RUN_FILES = ("head", CHECKPOINT_DIR, CHECKPOINT_DIR + ".old", "train_config.json", "train.jsonl", "eval.jsonl")
+RUN_FILES = ("head", CHECKPOINT_DIR, "train_config.json", "train.jsonl", "eval.jsonl")
 
 
 def run_files(out: Path) -> list[str]:
-    """The names of RUN_FILES present in `out`."""
-    return [name for name in RUN_FILES if (out / name).exists()]
+    """The names of RUN_FILES present in `out`, and the holders of old copies an interrupted swap of the head or
+    checkpoint left beside them (`dart_core.io.set_aside_copies`)."""
+    present = [name for name in RUN_FILES if (out / name).exists()]
+    aside = [os.path.relpath(os.path.dirname(p), out) for name in ("head", CHECKPOINT_DIR)
+             for p in set_aside_copies(out / name)]
+    return present + aside
 
 
 def clear_run(out: Path) -> None:
@@ -362,9 +366,10 @@ def save_checkpoint(out: Path, head: DartHead, optimizer, scheduler, state: dict
 
 
 def find_checkpoint(out: Path) -> Path:
-    for name in (CHECKPOINT_DIR, CHECKPOINT_DIR + ".old"):  # .old: a crash between the two renames
-        if (out / name / STATE_NAME).is_file():
-            return out / name
+    # set-aside copies: a crash between the two renames of a checkpoint swap
+    for path in [out / CHECKPOINT_DIR, *map(Path, set_aside_copies(out / CHECKPOINT_DIR))]:
+        if (path / STATE_NAME).is_file():
+            return path
     raise FileNotFoundError(f"--resume: no checkpoint in {out / CHECKPOINT_DIR}")
 
 

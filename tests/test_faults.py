@@ -60,6 +60,94 @@ def test_ngram_build_never_overwrites_one_of_its_inputs(tiny_run, tmp_path, caps
     assert shard.read_bytes() == before and sorted(p.name for p in data.iterdir()) == ["shard-00000.npz"]
 
 
+def _tree(path) -> dict:
+    """Every file under `path` with its bytes."""
+    return {str(f.relative_to(path)): f.read_bytes() for f in sorted(path.rglob("*")) if f.is_file()}
+
+
+def _kept(path):
+    """A user's directory named like an old copy: it must come through every run untouched."""
+    path.mkdir(parents=True)
+    (path / "mine.txt").write_text("the user's own file")
+    return path
+
+
+def test_a_converter_never_deletes_a_source_or_sibling_named_like_its_old_copy(tmp_path, capsys):
+    from test_converters import write_official_head, write_target
+
+    src = tmp_path / "d" / "x.old"  # the source is named DST.old
+    write_official_head(src)
+    before = _tree(src)
+    assert main(["convert", "official", str(src), str(tmp_path / "d" / "x")]) == 0
+    assert _tree(src) == before
+    assert main(["convert", "official", str(src), str(tmp_path / "d" / "x"), "--force"]) == 0  # a real swap
+    assert _tree(src) == before
+    official = tmp_path / "official"
+    write_official_head(official)
+    sibling = _kept(tmp_path / "out.old")  # an unrelated directory the user kept
+    for _ in range(2):  # the second run replaces `out`
+        assert main(["convert", "official", str(official), str(tmp_path / "out"), "--force", "--target",
+                     str(write_target(tmp_path / "t"))]) == 0
+    assert _tree(sibling) == {"mine.txt": b"the user's own file"}
+    ours = tmp_path / "s" / "y.old"
+    assert main(["convert", "official", str(official), str(ours), "--target", str(tmp_path / "t")]) == 0
+    before = _tree(ours)
+    for _ in range(2):
+        assert main(["convert", "sglang", str(ours), str(tmp_path / "s" / "y"), "--force"]) == 0
+    assert _tree(ours) == before
+    capsys.readouterr()
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["x", "x.old"]
+
+
+def test_train_distill_and_ngram_build_never_delete_a_sibling_named_like_their_old_copy(tiny_run, tmp_path, capsys):
+    root, _ = tiny_run
+    out = tmp_path / "run"
+    siblings = [_kept(out / "head.old"), _kept(out / "checkpoint-latest.old"), _kept(tmp_path / "run.old")]
+    for more in ((), ("--force",)):
+        assert main([str(a) for a in train_args(root, out, *more)]) == 0
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"hello w{i}"}) + "\n" for i in range(2)))
+    siblings.append(_kept(tmp_path / "distilled.old"))
+    assert main(["distill", "--target", str(root / "target"), "--out", str(tmp_path / "distilled"), "--prompts",
+                 str(prompts), "--max-new-tokens", "2"]) == 0
+    siblings.append(_kept(tmp_path / "ng.safetensors.old"))
+    for more in ((), ("--force",)):
+        assert main(["ngram", "build", "--data", str(root / "data"), "--out", str(tmp_path / "ng.safetensors"),
+                     *more]) == 0
+    capsys.readouterr()
+    for sibling in siblings:
+        assert _tree(sibling) == {"mine.txt": b"the user's own file"}, sibling
+
+
+def test_an_interrupted_swap_leaves_one_complete_copy_that_resume_finds(tiny_run, tmp_path, monkeypatch):
+    from dart_core import io
+    from dart_train import trainer
+
+    root, _ = tiny_run
+    out = tmp_path / "run"
+    assert main([str(a) for a in train_args(root, out)]) == 0
+    saved = _tree(out / "checkpoint-latest")
+    real_replace = os.replace
+
+    def crash_on_the_second_rename(src, dst):
+        if os.path.basename(str(src)).startswith(".tmp"):
+            raise KeyboardInterrupt  # the process dies between the two renames
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(io.os, "replace", crash_on_the_second_rename)
+    with pytest.raises(KeyboardInterrupt):
+        with io.staged_directory(out / "checkpoint-latest", force=True) as tmp:
+            (trainer.Path(tmp) / "new").write_text("new")
+    monkeypatch.undo()
+    assert (out / "checkpoint-latest").is_dir()  # put back by the failing swap
+    # the same crash with nobody left to put it back: only the set-aside copy remains
+    aside = io.make_temp_dir(out, ".old-checkpoint-latest-")
+    real_replace(out / "checkpoint-latest", os.path.join(aside, "checkpoint-latest"))
+    assert trainer.find_checkpoint(out) == trainer.Path(aside) / "checkpoint-latest"
+    assert _tree(trainer.find_checkpoint(out)) == saved
+    assert os.path.relpath(aside, out) in trainer.run_files(out)
+
+
 # ---- no code execution from files -------------------------------------------------------------------------------------
 class _Payload:
     def __reduce__(self):
