@@ -89,7 +89,7 @@ def main(argv=None) -> int:
     results = {"threads": args.threads, "repeats": args.repeats, "device": str(next(model.parameters()).device),
                "rows": []}
     results["enter_ms"] = {"few_row_linears": entry_ms(model, lambda: few_row_linears(model)),
-                           "grouped_attention": entry_ms(model, lambda: grouped_attention(model))}
+                           "grouped_attention": entry_ms(model, lambda: grouped_attention())}
     print("entering each block once, ms:", {k: round(v, 3) for k, v in results["enter_ms"].items()})
     print("context  nodes  repeat_kv ms  grouped ms  saved  max |logit diff|")
     for context in args.contexts:

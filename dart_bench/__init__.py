@@ -149,14 +149,15 @@ def generate_kwargs(method: str, drafters: dict, temperature: float) -> dict:
 
 def run_once(model, meter: TargetMeter, ids: torch.Tensor, method: str, drafters: dict, temperature: float,
              max_new_tokens: int, seed: int) -> Run:
+    from dart_hf import last_stats
+
     torch.manual_seed(seed)
     kw = generate_kwargs(method, drafters, temperature)
-    model.dart_stats = None
     meter.reset()
     t0 = time.perf_counter()
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, **kw)
     seconds = time.perf_counter() - t0
-    stats = model.dart_stats if method in ("dart_tree", "dart_chain", "eagle3") else None
+    stats = last_stats(model) if method in ("dart_tree", "dart_chain", "eagle3") else None
     times = meter.times
     return Run(new_tokens=int(out.shape[1] - ids.shape[1]), seconds=seconds, forwards=len(times),
                prefill_s=times[0] if times else 0.0, target_s=sum(times[1:]),

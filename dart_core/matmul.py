@@ -9,16 +9,24 @@ another order: results agree to about 1e-5 relative, as any two BLAS kernels do;
 on bitwise equality with plain decoding's kernels (a one-token step already uses another kernel, a matrix-vector
 product, than a tree forward).
 
-`few_row_linears(*modules)` swaps that product in for the duration of a `with` block, on every `nn.Linear` of the
-modules whose weight is a float32 CPU tensor and whose `forward` is the class's own (modules wrapped by hooks that
-replace `forward`, e.g. accelerate's offloading, are left alone). Inputs with one row, or with more rows than
+`few_row_linears(*modules)` makes that product apply, within a `with` block and only in the calling thread's context,
+to every `nn.Linear` of the modules whose weight is a float32 CPU tensor. Inputs with one row, or with more rows than
 `max_rows()`, take `F.linear` as before, so a plain one-token step or a prefill is unchanged.
+
+The model is never switched back and forth: the first use installs on each `nn.Linear` whose `forward` is the class's
+own (modules wrapped by hooks that replace `forward`, e.g. accelerate's offloading, are left alone) a `FewRowForward`,
+which computes `F.linear` (exactly `nn.Linear.forward`) unless the current context is inside `few_row_linears`. So
+another thread, or code after an interrupted call, computes with the layers' own kernel; installing is idempotent and
+locked, the same pattern transformers uses for its output-capturing hooks.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator
+import contextvars
+import threading
+import weakref
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -52,24 +60,51 @@ def few_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return transposed_linear(x, weight, bias)
 
 
-def _eligible(module: nn.Module) -> bool:
-    return (type(module) is nn.Linear and "forward" not in module.__dict__ and module.weight.device.type == "cpu"
-            and module.weight.dtype == torch.float32)
+# the product of the few-row linear layers in the current context; None: `F.linear`, the layers' own
+_PRODUCT: contextvars.ContextVar[Optional[Callable]] = contextvars.ContextVar("dart_few_row_product", default=None)
+_INSTALL_LOCK = threading.Lock()
+_INSTALLED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # modules whose walk is done
+
+
+class FewRowForward:
+    """The `forward` of an `nn.Linear` that DART has used: `F.linear(x, weight, bias)` (the layer's own), or inside
+    `few_row_linears` in this context, that block's product. Picklable and copyable with its layer."""
+
+    __slots__ = ("layer",)
+
+    def __init__(self, layer: nn.Linear) -> None:
+        self.layer = layer
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        product = _PRODUCT.get()
+        layer = self.layer
+        if product is None or layer.weight.device.type != "cpu" or layer.weight.dtype != torch.float32:
+            return F.linear(x, layer.weight, layer.bias)
+        return product(x, layer.weight, layer.bias)
+
+
+def install_few_row_forwards(*modules: nn.Module) -> None:
+    """Give every `nn.Linear` of `modules` whose `forward` is the class's own a `FewRowForward` (the walk once per
+    module; idempotent, safe to race)."""
+    if all(module in _INSTALLED for module in modules):
+        return
+    with _INSTALL_LOCK:
+        for module in modules:
+            if module in _INSTALLED:
+                continue
+            for m in module.modules():
+                if type(m) is nn.Linear and "forward" not in m.__dict__:
+                    m.forward = FewRowForward(m)
+            _INSTALLED.add(module)
 
 
 @contextlib.contextmanager
 def few_row_linears(*modules: nn.Module, product: Callable = few_row_linear) -> Iterator[None]:
-    """Within the block, the eligible `nn.Linear` layers of `modules` compute few-row inputs as `W @ x.T`
-    (`product(x, weight, bias)` replaces their `F.linear`; benchmarks pass other products). Not reentrant."""
-    layers = [m for module in modules for m in module.modules() if _eligible(m)]
-
-    def forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        return product(x, self.weight, self.bias)
-
-    for layer in layers:
-        layer.forward = forward.__get__(layer)
+    """Within the block, in this context only, the `nn.Linear` layers of `modules` with float32 CPU weights compute
+    through `product(x, weight, bias)` (default: few-row inputs as `W @ x.T`; benchmarks pass other products)."""
+    install_few_row_forwards(*modules)
+    token = _PRODUCT.set(product)
     try:
         yield
     finally:
-        for layer in layers:
-            del layer.forward
+        _PRODUCT.reset(token)

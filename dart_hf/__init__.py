@@ -1,7 +1,10 @@
 """dart_hf: DART inside Hugging Face transformers.
 
 - `enable(model)` then `model.generate(input_ids, dart_head=head, ...)`: DART tree decoding (one target forward
-  verifies a whole draft tree); output identical to plain `generate()`.
+  verifies a whole draft tree); output identical to plain `generate()`. `enable(model, head)` attaches the head:
+  every later `generate()` (pipelines, evaluation harnesses) decodes with it where DART applies, else runs plain
+  with a `DartFallbackWarning`.
+- `last_stats(model)` (`model.dart_stats`): the `DartStats` of this thread's last DART call on the model.
 - `model.generate(input_ids, assistant_model=head)` after `enable()`: transformers' own assisted loop with
   `DartCandidateGenerator` (a linear chain per step).
 - `dart_decoding`: the tree loop as a `custom_generate` callable for models that are not enabled.
@@ -13,11 +16,11 @@
 from dart_hf.calibration import Calibration, cached_calibration, calibrate, tuned_tree_config
 from dart_hf.candidate import DartCandidateGenerator
 from dart_hf.default import load_default
-from dart_hf.enable import DartGenerationMixin, enable
-from dart_hf.loop import DartStats, dart_decoding
+from dart_hf.enable import DartFallbackWarning, DartGenerationMixin, enable
+from dart_hf.loop import DartStats, dart_decoding, last_stats
 from dart_hf.outputs import DartGenerateOutput
 from dart_hf.smollm2 import load_smollm2
 
-__all__ = ["Calibration", "DartCandidateGenerator", "DartGenerateOutput", "DartGenerationMixin", "DartStats",
-           "cached_calibration", "calibrate", "dart_decoding", "enable", "load_default", "load_smollm2",
-           "tuned_tree_config"]
+__all__ = ["Calibration", "DartCandidateGenerator", "DartFallbackWarning", "DartGenerateOutput",
+           "DartGenerationMixin", "DartStats", "cached_calibration", "calibrate", "dart_decoding", "enable",
+           "last_stats", "load_default", "load_smollm2", "tuned_tree_config"]

@@ -57,8 +57,8 @@ import torch
 
 from dart_core import DartHead, TreeConfig
 from dart_core.io import atomic_write
-from dart_hf.loop import DartStats, dart_decoding
-from dart_hf.target import (GROUPED_SDPA, first_eos, keep_accepted_path, plan_for, tree_attention_mask,
+from dart_hf.loop import DartStats, dart_decoding, last_stats
+from dart_hf.target import (first_eos, keep_accepted_path, plan_for, tree_attention_mask,
                             tree_forward, tree_forwards)
 
 FORMAT_VERSION = 2  # 2: verify forwards with grouped-query attention (faster: older tree sizes are stale)
@@ -285,7 +285,7 @@ def acceptance_run(model, head: DartHead, prompts: Sequence[torch.Tensor], tree_
                                        dart_streamer=_CountingStreamer(bar))
             model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
                            custom_generate=decode)
-            stats: DartStats = model.dart_stats
+            stats: DartStats = last_stats(model)
             merged.prompt_tokens += stats.prompt_tokens
             merged.new_tokens += stats.new_tokens
             merged.accepted_lengths += stats.accepted_lengths
@@ -401,7 +401,6 @@ def target_identity(model) -> str:
     config = {k: v for k, v in model.config.to_dict().items()
               if not k.startswith("_") and k != "transformers_version"}
     attention = getattr(model.config, "_attn_implementation", None)
-    attention = "sdpa" if attention == GROUPED_SDPA else attention  # switched by a DART call running now
     return _digest({"class": type(model).__name__, "config": config, "dtype": str(next(model.parameters()).dtype),
                     "attention": attention})
 

@@ -1,83 +1,196 @@
-"""`dart_hf.enable(model)`: teach an already-loaded transformers model `generate(dart_head=...)`."""
+"""`dart_hf.enable(model, head)`: teach an already-loaded transformers model DART generation, optionally with a head
+every later `generate()` uses."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import warnings
+from typing import Optional
 
-from dart_core import DartHead
+from dart_core import DartHead, TreeConfig
 from dart_hf.candidate import DartCandidateGenerator
-from dart_hf.loop import dart_decoding
+from dart_hf.loop import NotApplicable, _record_stats, dart_decoding, last_stats
 
 _SUBCLASSES: dict[type, type] = {}
+# generate() arguments that pick another decoding method, which DART tree decoding does not combine with
+OTHER_METHODS = ("custom_generate", "assistant_model", "prompt_lookup_num_tokens")
+
+
+class DartFallbackWarning(UserWarning):
+    """A `generate()` call on a model with an attached head ran as plain generate() (the message says why)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DartOptions:
+    """The DART settings of one generate() call (or the defaults `enable` attaches): the head, and optionally an
+    n-gram and tree settings that override the head's own."""
+
+    head: DartHead
+    ngram: object = None
+    tree_config: Optional[TreeConfig] = None
+    sync_timing: bool = False
+    cuda_graph: bool = False
+
+    def decoding(self, streamer, tokenizer):
+        """The `custom_generate` callable that decodes a call with these settings."""
+        return functools.partial(dart_decoding, dart_head=self.head, dart_ngram=self.ngram,
+                                 dart_tree_config=self.tree_config, dart_streamer=streamer, dart_tokenizer=tokenizer,
+                                 dart_sync_timing=self.sync_timing, dart_cuda_graph=self.cuda_graph)
 
 
 class DartGenerationMixin:
-    """Routes `generate(dart_head=...)` to DART tree decoding and `generate(assistant_model=<DartHead>)` to
-    transformers' assisted loop with a `DartCandidateGenerator`; everything else is the model's own `generate`."""
+    """Routes `generate(dart_head=...)` (or every call, with a head attached by `enable(model, head)`) to DART tree
+    decoding and `generate(assistant_model=<DartHead>)` to transformers' assisted loop with a
+    `DartCandidateGenerator`; everything else is the model's own `generate`."""
 
-    def generate(self, inputs=None, generation_config=None, *, dart_head: DartHead | None = None, dart_ngram=None,
-                 dart_tree_config=None, dart_sync_timing: bool = False, dart_cuda_graph: bool = False, **kwargs):
-        if dart_head is None:
+    def generate(self, inputs=None, generation_config=None, *, dart_head: DartHead | bool | None = None,
+                 dart_ngram=None, dart_tree_config=None, dart_sync_timing: bool = False,
+                 dart_cuda_graph: bool = False, **kwargs):
+        attached = getattr(self, "_dart_attached", None)
+        if dart_head is False or (dart_head is None and attached is None):  # plain generate()
             if dart_ngram is not None or dart_tree_config is not None or dart_sync_timing or dart_cuda_graph:
                 raise ValueError("dart_ngram / dart_tree_config / dart_sync_timing / dart_cuda_graph need "
-                                 "dart_head=<DartHead>")
+                                 "dart_head=<DartHead> (or a head attached with dart_hf.enable(model, head))")
+            _record_stats(self, None)
             return super().generate(inputs, generation_config, **kwargs)
-        if not isinstance(dart_head, DartHead):
-            raise TypeError(f"dart_head must be a dart_core.DartHead, got {type(dart_head).__name__}")
-        for clash in ("custom_generate", "assistant_model", "prompt_lookup_num_tokens"):
-            if kwargs.get(clash) is not None:
+        explicit = dart_head is not None
+        if explicit and not isinstance(dart_head, DartHead):
+            raise TypeError(f"dart_head must be a dart_core.DartHead (or False for plain generate()), got "
+                            f"{type(dart_head).__name__}")
+        base = DartOptions(dart_head) if explicit else attached
+        options = DartOptions(base.head, dart_ngram if dart_ngram is not None else base.ngram,
+                              dart_tree_config or base.tree_config, bool(dart_sync_timing), bool(dart_cuda_graph))
+        clash = next((name for name in OTHER_METHODS if kwargs.get(name) is not None), None)
+        if clash is not None:
+            if explicit:
                 raise ValueError(f"dart_head cannot be combined with {clash}=")
+            return self._plain_generate(f"the call passes {clash}=", inputs, generation_config, kwargs)
+        dart_kwargs = dict(kwargs)
         # generate() drops these on the custom_generate path: hand them to the DART loop ourselves
-        streamer = kwargs.pop("streamer", None)
-        tokenizer = kwargs.pop("tokenizer", None)
-        stop_strings = kwargs.pop("stop_strings", None)
-        if generation_config is not None and getattr(generation_config, "stop_strings", None):
-            stop_strings = stop_strings or generation_config.stop_strings
-            generation_config = generation_config.__class__.from_dict(
-                {**generation_config.to_dict(), "stop_strings": None})
+        streamer = dart_kwargs.pop("streamer", None)
+        tokenizer = dart_kwargs.pop("tokenizer", None)
+        stop_strings = dart_kwargs.pop("stop_strings", None)
+        dart_config = generation_config
+        config_stops = getattr(generation_config or self.generation_config, "stop_strings", None)
+        if config_stops:
+            stop_strings = stop_strings or config_stops
+            source = generation_config or self.generation_config
+            dart_config = source.__class__.from_dict({**source.to_dict(), "stop_strings": None})
         if stop_strings:
-            kwargs["stopping_criteria"] = _with_stop_strings(kwargs.get("stopping_criteria"), stop_strings, tokenizer)
-        kwargs["custom_generate"] = functools.partial(
-            dart_decoding, dart_head=dart_head, dart_ngram=dart_ngram, dart_tree_config=dart_tree_config,
-            dart_streamer=streamer, dart_tokenizer=tokenizer, dart_sync_timing=dart_sync_timing,
-            dart_cuda_graph=dart_cuda_graph)
+            if tokenizer is None:
+                reason = "stop_strings need the tokenizer: pass tokenizer=... to generate()"
+                if explicit:
+                    raise ValueError(reason)
+                return self._plain_generate(reason, inputs, generation_config, kwargs)
+            dart_kwargs["stopping_criteria"] = _with_stop_strings(dart_kwargs.get("stopping_criteria"),
+                                                                  stop_strings, tokenizer)
+        dart_kwargs["custom_generate"] = options.decoding(streamer, tokenizer)
+        try:
+            return super().generate(inputs, dart_config, **dart_kwargs)
+        except NotApplicable as err:
+            if explicit:
+                raise
+            return self._plain_generate(str(err), inputs, generation_config, kwargs)
+
+    def _plain_generate(self, reason: str, inputs, generation_config, kwargs):
+        """The call as plain generate(), after one warning naming `reason` (once per reason and call site)."""
+        warnings.warn(f"DART does not apply to this generate() call ({reason}); it runs as plain generate()",
+                      DartFallbackWarning, stacklevel=4)
+        _record_stats(self, None)
         return super().generate(inputs, generation_config, **kwargs)
+
+    @property
+    def dart_stats(self):
+        """The `DartStats` of this thread's last DART call on the model (None before one, or after a call that ran
+        as plain generate()); `dart_hf.last_stats(model)`."""
+        return last_stats(self)
 
     def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
                                  assistant_model=None, target_tokenizer=None, assistant_tokenizer=None):
         if isinstance(assistant_model, DartHead):
             generator = DartCandidateGenerator(self, assistant_model, generation_config)
-            self.dart_stats = generator.stats
+            _record_stats(self, generator.stats)
             return generator
         return super()._get_candidate_generator(
             generation_config=generation_config, input_ids=input_ids, inputs_tensor=inputs_tensor,
             logits_processor=logits_processor, model_kwargs=model_kwargs, assistant_model=assistant_model,
             target_tokenizer=target_tokenizer, assistant_tokenizer=assistant_tokenizer)
 
+    def __reduce_ex__(self, protocol):
+        # pickled (torch.save, deepcopy) as the model's own class, which pickle can import; loading enables it again
+        return _enabled_instance, (type(self)._dart_original,), _picklable_state(self, {})
+
+
+def _enabled_instance(cls: type):
+    """An empty instance of `cls`, enabled; pickle then restores its state."""
+    return enable(cls.__new__(cls))
+
+
+CAPTURE_HOOK = "output_capturing_hook"  # transformers' hidden-state hooks: closures, which pickle cannot save
+
+
+def _picklable_state(module, memo: dict) -> dict:
+    """`module.__dict__` for pickling, its submodules without transformers' output-capturing hooks (which the
+    hidden states DART's forwards request installed; transformers installs them again on first use). Submodules
+    that carry such hooks are shallow copies (tensors shared); the module itself is untouched."""
+    from collections import OrderedDict
+
+    state = dict(module.__dict__)
+    state.pop("_output_capturing_hooks_installed", None)
+    state["_forward_hooks"] = OrderedDict((k, h) for k, h in module._forward_hooks.items()
+                                          if getattr(h, "__name__", "") != CAPTURE_HOOK)
+    state["_modules"] = {name: _without_capture_hooks(child, memo) for name, child in module._modules.items()}
+    return state
+
+
+def _without_capture_hooks(module, memo: dict):
+    if module is None or id(module) in memo:
+        return memo.get(id(module), module)
+    hooked = any(getattr(h, "__name__", "") == CAPTURE_HOOK for m in module.modules()
+                 for h in m._forward_hooks.values())
+    if not hooked:
+        memo[id(module)] = module
+        return module
+    clone = module.__class__.__new__(module.__class__)
+    memo[id(module)] = clone
+    clone.__dict__.update(_picklable_state(module, memo))
+    return clone
+
 
 def _with_stop_strings(criteria, stop_strings, tokenizer):
     from transformers import StoppingCriteriaList, StopStringCriteria
 
-    if tokenizer is None:
-        raise ValueError("stop_strings need the tokenizer: pass tokenizer=... to generate()")
     out = StoppingCriteriaList(list(criteria or []))
     out.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
     return out
 
 
-def enable(model):
+def enable(model, head: Optional[DartHead] = None, *, ngram=None, tree_config: Optional[TreeConfig] = None):
     """Give `model` (a transformers causal LM) DART generation in place; returns the same object.
 
-    The class keeps its name (pipelines and logging look at it); `generate()` learns `dart_head=`, `dart_ngram=`,
-    `dart_tree_config=`, `dart_sync_timing=`, `dart_cuda_graph=` and accepts a `DartHead` as `assistant_model`.
+    `generate()` learns `dart_head=`, `dart_ngram=`, `dart_tree_config=`, `dart_sync_timing=`, `dart_cuda_graph=`
+    and accepts a `DartHead` as `assistant_model`. With `head` (and optionally `ngram` / `tree_config` overriding
+    its own), every later `generate()` call decodes with that head where DART applies (pipelines and evaluation
+    harnesses included); a call that asks for what DART does not do (beam search, several return sequences, another
+    assistant, a static cache, ...) runs as plain generate() after one `DartFallbackWarning` naming the reason.
+    `generate(dart_head=False)` is plain generate() for one call; an explicit `dart_head=` keeps DART's errors.
+    The head must fit the model (checked here). The class keeps its name (pipelines and logging look at it).
     """
     cls = type(model)
-    if issubclass(cls, DartGenerationMixin):
-        return model
-    sub = _SUBCLASSES.get(cls)
-    if sub is None:
-        sub = type(cls.__name__, (DartGenerationMixin, cls), {"__module__": cls.__module__,
-                                                              "__qualname__": cls.__qualname__})
-        _SUBCLASSES[cls] = sub
-    model.__class__ = sub
+    if not issubclass(cls, DartGenerationMixin):
+        sub = _SUBCLASSES.get(cls)
+        if sub is None:
+            sub = type(cls.__name__, (DartGenerationMixin, cls), {"__module__": cls.__module__,
+                                                                  "__qualname__": cls.__qualname__,
+                                                                  "_dart_original": cls})
+            _SUBCLASSES[cls] = sub
+        model.__class__ = sub
+    if head is not None:
+        from dart_hf.target import plan_for
+
+        if not isinstance(head, DartHead):
+            raise TypeError(f"head must be a dart_core.DartHead, got {type(head).__name__}")
+        plan_for(model, head)
+        model._dart_attached = DartOptions(head, ngram, tree_config)
     return model

@@ -3,10 +3,13 @@ all trees in one target forward."""
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import functools
+import threading
 import time
 import warnings
+import weakref
 from typing import Optional
 
 import torch
@@ -17,6 +20,7 @@ from dart_core.errors import DartInputError
 from dart_core.head import id_outside_vocab
 from dart_core.matmul import few_row_linears
 from dart_core.tree import score_ranks
+from dart_hf.stopping import Stopper
 from dart_hf.target import (TargetPlan, check_attention, check_cache, first_eos, keep_accepted_path, plan_for,
                             prompt_positions, tapped_hidden_states, tree_attention_mask, tree_forward,
                             tree_forwards)
@@ -37,7 +41,9 @@ class DartStats:
         loop only.
     tau: mean tokens produced per sequence and verify step, bonus included (before stopping criteria cut the last
         block).
-    Times are wall-clock seconds: prefill (target + head on the prompt), head forwards (an `Eagle3Head`: all its
+    Times are wall-clock seconds: set-up (checks and preparation before the prefill), prefill (the target on the
+    prompt, and on a cached prefix whose head state must be rebuilt), the first draft (the head's pass over the prompt
+    and the first tree search; also counted in head / tree times), the whole call, head forwards (an `Eagle3Head`: all its
     draft levels with their top-k expansions), tree searches (an `Eagle3Head`: the final node selection), verify
     steps and, within those, the tree mask build, the target forwards, the acceptance and the KV compaction. With
     `dart_sync_timing=True` every clock read waits for the device first (per-phase times on an accelerator, at the
@@ -52,7 +58,10 @@ class DartStats:
     accepted_ranks: list[list[int]] = dataclasses.field(default_factory=list)
     forwards: int = 0
     tree_nodes: int = 0
+    setup_time: float = 0.0
     prefill_time: float = 0.0
+    first_draft_time: float = 0.0
+    total_time: float = 0.0
     head_time: float = 0.0
     tree_time: float = 0.0
     verify_time: float = 0.0
@@ -112,93 +121,153 @@ class DartStats:
         return out
 
 
+# ---- the statistics of each call, per thread ---------------------------------------------------------------------
+_LAST_CALL = threading.local()  # .stats: WeakKeyDictionary model -> the DartStats of this thread's last call on it
+
+
+def last_stats(model) -> Optional[DartStats]:
+    """The statistics of the calling thread's last DART call on `model` (`model.dart_stats` on an enabled model):
+    None before one, and after a call that DART refused or ran as plain generate()."""
+    table = getattr(_LAST_CALL, "stats", None)
+    return None if table is None else table.get(model)
+
+
+def _record_stats(model, stats: Optional[DartStats]) -> None:
+    table = getattr(_LAST_CALL, "stats", None)
+    if table is None:
+        table = _LAST_CALL.stats = weakref.WeakKeyDictionary()
+    table[model] = stats
+
+
+class NotApplicable(DartInputError):
+    """DART cannot decode this call as plain generate() would (raised before any work): an explicit `dart_head=`
+    reports it; a head attached with `dart_hf.enable(model, head)` runs plain generate() instead."""
+
+
 @torch.no_grad()
 def dart_decoding(model, input_ids: torch.LongTensor, logits_processor, stopping_criteria, generation_config,
                   synced_gpus: bool = False, streamer=None, *, dart_head: Optional[DartHead] = None, dart_ngram=None,
                   dart_tree_config: Optional[TreeConfig] = None, dart_streamer=None, dart_tokenizer=None,
                   dart_sync_timing: bool = False, dart_cuda_graph: bool = False, **model_kwargs):
     """Tree decoding loop for `model.generate(..., custom_generate=dart_decoding, dart_head=head)`: `prefill`, then
-    `draft` and `verify_step` until a stopping criterion holds on an accepted prefix (docs/DESIGN.md §1.3).
+    `draft` and `verify_step` while a row still needs tokens (docs/DESIGN.md §1.3); the stopping criteria are called
+    exactly as plain generate() calls them (`dart_hf.stopping`).
 
-    A batch [B, T] must be left-padded (`attention_mask`); every sequence drafts its own tree, one target forward
-    verifies all of them, and a sequence that stops leaves the batch. Output is exactly what `generate()` returns
-    without DART on the same batch (greedy: token for token; sampling: same distribution per sequence), finished
-    sequences padded with `pad_token_id`.
+    A batch [B, T] must be left-padded (`attention_mask`); every sequence drafts its own tree and one target forward
+    verifies all of them. Output is exactly what `generate()` returns without DART on the same batch (greedy: token
+    for token; sampling: same distribution per sequence). A `past_key_values` cache that holds a prefix of the input
+    (batch size 1) is continued as plain generate() continues it: a cache a DART call left carries the head's state;
+    for another, the head's state is rebuilt with one target forward over the cached prefix.
     `dart_ngram` overrides `dart_head.ngram`; `dart_tree_config` overrides `dart_head.tree_config` (default: the
     reference settings with the target's EOS). An `Eagle3Head` (the EAGLE3-style baseline) drafts its tree
     autoregressively instead (`dart_core.eagle3`, batch size 1), with `topk` as its branching, `max_depth` as its
     number of levels and `remain_total` as its node count; `dart_ngram` does not apply to it. Statistics of the call
-    land in `model.dart_stats` (`DartStats`; `dart_sync_timing=True` makes its per-phase times wait for the device).
-    `dart_cuda_graph=True` replays the head's drafting pass, the tree search with the trees' ancestor masks and
-    greedy acceptance from CUDA graphs (CUDA only; elsewhere, or for a drafter whose candidates are not plain
-    tensors, they run eagerly).
+    are in the dict output's `dart_stats` and in `last_stats(model)` (`DartStats`; `dart_sync_timing=True` makes its
+    per-phase times wait for the device). `dart_cuda_graph=True` replays the head's drafting pass, the tree search
+    with the trees' ancestor masks and greedy acceptance from CUDA graphs (CUDA only; elsewhere, or for a drafter
+    whose candidates are not plain tensors, they run eagerly). Checks that fail raise `NotApplicable` before any
+    work.
+
+    The call runs in a copy of the caller's `contextvars` context: the kernels it switches on for its own forwards
+    (`tree_forwards`) never reach another thread or outlive the call, even when it is interrupted.
     """
-    head = dart_head
-    if head is None:
+    if dart_head is None:
         raise ValueError("dart_decoding needs dart_head=<DartHead>")
-    streamer = dart_streamer if dart_streamer is not None else streamer
+    call = functools.partial(
+        _decode, model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus,
+        dart_streamer if dart_streamer is not None else streamer, dart_head, dart_ngram, dart_tree_config,
+        dart_tokenizer, bool(dart_sync_timing), bool(dart_cuda_graph), model_kwargs)
+    return contextvars.copy_context().run(call)
+
+
+def _decode(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer,
+            head: DartHead, ngram, tree_config: Optional[TreeConfig], tokenizer, sync_timing: bool, cuda_graph: bool,
+            model_kwargs: dict):
+    """`dart_decoding`'s body: prepare (every check), prefill, then draft / verify / decide until done."""
+    t_start = time.perf_counter()
+    _record_stats(model, None)
     want_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
     want_logits = bool(generation_config.return_dict_in_generate and generation_config.output_logits)
-    plan, attention_mask = _prepare(model, head, input_ids, generation_config, model_kwargs, dart_tokenizer, streamer,
-                                    want_scores or want_logits, stopping_criteria, logits_processor)
-    cache = model_kwargs["past_key_values"]
-    ngram = dart_ngram if dart_ngram is not None else head.ngram
-    tree_config = dart_tree_config or head.tree_config or head.default_tree_config(first_eos(generation_config))
+    try:
+        plan, attention_mask, cache, past = _prepare(model, head, input_ids, generation_config, model_kwargs,
+                                                     tokenizer, streamer, want_scores or want_logits,
+                                                     logits_processor, synced_gpus)
+    except DartInputError as err:
+        raise NotApplicable(str(err)) from None
+    ngram = ngram if ngram is not None else head.ngram
+    tree_config = tree_config or head.tree_config or head.default_tree_config(first_eos(generation_config))
     verifier = _Verifier(model, plan, cache, logits_processor, bool(generation_config.do_sample))
     context_len = max(ngram.order - 1, 1) if ngram is not None else 1
     depth = tree_config.draft_levels(head.draft_length + 1)  # deepest draft node
     search = TreeSearch(head, ngram, tree_config)
     greedy_paths = functools.partial(accepted_greedy_paths, max_depth=depth)
-    graphs = bool(dart_cuda_graph) and input_ids.device.type == "cuda"
-    if dart_cuda_graph and not graphs:
+    graphs = cuda_graph and input_ids.device.type == "cuda"
+    if cuda_graph and not graphs:
         warnings.warn(f"dart_cuda_graph=True applies on CUDA only; on {input_ids.device.type} the drafting pass, tree "
-                      "search and acceptance run eagerly", stacklevel=3)
+                      "search and acceptance run eagerly", stacklevel=4)
     if graphs:  # kept with the head: later calls replay the graphs earlier ones captured
         search = cached_graph(head.cuda_graphs, (ngram, tree_config), search)
         greedy_paths = cached_graph(head.cuda_graphs, ("greedy_paths", depth), greedy_paths)
     verifier.greedy_paths = greedy_paths
-    host_stops = HostStops.of(stopping_criteria)
     scores, raw_logits = [], []
-    stats = DartStats(prompt_tokens=int(attention_mask.sum()), sync_timing=bool(dart_sync_timing))
-    model.dart_stats = stats
+    stopper = Stopper(input_ids, stopping_criteria, generation_config, scores if want_scores else None)
+    stats = DartStats(prompt_tokens=int(attention_mask.sum()), sync_timing=sync_timing)
+    _record_stats(model, stats)
     if streamer is not None:
         streamer.put(input_ids.cpu())
+    stats.setup_time = time.perf_counter() - t_start
 
-    batch, step = prefill(verifier, input_ids, attention_mask, context_len, stats)
-    head_cache = head.new_cache(input_ids.shape[0])
-    sequences = list(input_ids.split(1))  # [1, L_b] per caller's row, its left padding included
-    with tree_forwards(model), few_row_linears(head):  # entered once: it walks the modules
+    carried = _take_carried(cache, head, past)
+    batch, step, head_cache = prefill(verifier, head, input_ids, attention_mask, past, carried, context_len, stats)
+    # per caller's row, its left padding included: the prefix logits processors and sampling see
+    sequences = list(input_ids.split(1)) if verifier.needs_prefixes or want_scores or want_logits else None
+    with tree_forwards(model), few_row_linears(head):
         while True:
-            finished = []
             for i, row in enumerate(batch.rows):
-                new_tokens = step.new_ids[i, : len(step.tokens[i])]  # [a+1]
-                emitted, done = _emit(sequences[row], new_tokens, step.tokens[i], stopping_criteria, host_stops)
+                tokens = step.tokens[i]
                 if want_scores or want_logits:
-                    _record_scores(scores, raw_logits, sequences[row], new_tokens[:emitted],
-                                   step.logits[i, step.nodes[i, :emitted]], verifier.processors, want_scores,
+                    _record_scores(scores, raw_logits, sequences[row], step.new_ids[i, : len(tokens)],
+                                   step.logits[i, step.nodes[i, : len(tokens)]], verifier.processors, want_scores,
                                    want_logits)
-                sequences[row] = torch.cat((sequences[row], new_tokens[None, :emitted]), dim=1)
-                stats.new_tokens += emitted
-                if streamer is not None:
-                    streamer.put(torch.tensor(step.tokens[i][:emitted]))  # from the host: no device read
-                if done:
-                    finished.append(i)
-            if len(finished) == len(batch.rows):
+                if sequences is not None:
+                    sequences[row] = torch.cat((sequences[row], step.new_ids[i : i + 1, : len(tokens)]), dim=1)
+                stopper.add(row, tokens)
+            decided = stopper.decide()
+            if streamer is not None and decided[0]:
+                streamer.put(torch.tensor(decided[0]))  # from the host: no device read
+            if stopper.done:
                 break
-            if finished:
-                keep = [i for i in range(len(batch.rows)) if i not in finished]
-                batch, step = _drop_finished(batch, step, head_cache, cache, keep)
-            trees, ancestors = draft(head, search, step, head_cache, batch, tree_config, graphs, stats)
-            step = verify_step(verifier, trees, ancestors, batch, [sequences[row] for row in batch.rows], stats)
+            keep = [i for i, row in enumerate(batch.rows) if stopper.producing(row)]
+            if len(keep) < len(batch.rows):
+                batch, step = _drop_rows(batch, step, head_cache, cache, keep)
+            if all(stopper.remaining(row) == 1 for row in batch.rows):  # one token left: the root alone decides it
+                trees, ancestors = root_trees(batch)
+            else:
+                trees, ancestors = draft(head, search, step, head_cache, batch, tree_config, graphs, stats)
+                step = dataclasses.replace(step, aux_rows=step.aux_rows[:, :0], head_ids=step.head_ids[:, :0],
+                                           head_lengths=torch.zeros_like(step.head_lengths))
+            step = verify_step(verifier, trees, ancestors, batch, sequences, step, stats)
 
     if streamer is not None:
         streamer.end()
-    output = _padded(sequences, generation_config)
+    output = stopper.output()
+    stats.new_tokens = stopper.new_tokens
+    if want_scores:
+        del scores[stopper.steps:]
+    if want_logits:
+        del raw_logits[stopper.steps:]
+    returned_cache = None
+    if input_ids.shape[0] == 1 and generation_config.use_cache:
+        excess = cache.get_seq_length() - (output.shape[1] - 1)
+        if excess > 0:  # what plain generate() leaves: every token but the last
+            cache.crop(-excess)
+        _carry(cache, head, head_cache, step, output.shape[1] - 1, attention_mask)
+        returned_cache = cache
+    stats.total_time = time.perf_counter() - t_start
     if generation_config.return_dict_in_generate:
         from dart_hf.outputs import DartGenerateOutput
 
         # with several sequences the cache lost the finished ones' rows: it is not returned
-        returned_cache = cache if generation_config.use_cache and input_ids.shape[0] == 1 else None
         return DartGenerateOutput(sequences=output, scores=tuple(scores) if want_scores else None,
                                   logits=tuple(raw_logits) if want_logits else None,
                                   past_key_values=returned_cache, dart_stats=stats)
@@ -252,12 +321,22 @@ class _Verifier:
         if self.processors is not None and not len(self.processors):
             self.processors = None
 
+    @property
+    def needs_prefixes(self) -> bool:
+        """Whether acceptance reads each row's prefix (logits processors, sampling)."""
+        return self.processors is not None or self.do_sample
+
     def accept(self, trees: DraftTreeBatch, logits: torch.Tensor, ancestors: torch.Tensor,
-               sequences: list[torch.Tensor]) -> "Paths":
+               sequences: Optional[list[torch.Tensor]]) -> "Paths":
         """The accepted path of every tree: logits [B, N, V] of its nodes, ancestors [B, N, N], `sequences` [1, L_b]
-        ending with the roots. Greedy without processors runs on the device without a host synchronisation."""
-        if self.processors is None and not self.do_sample and trees.num_nodes > 1:
-            return Paths(*self.greedy_paths(trees.tensors(), logits, ancestors))
+        ending with the roots (None when `needs_prefixes` is false). Greedy without processors runs on the device
+        without a host synchronisation."""
+        if not self.needs_prefixes:
+            if trees.num_nodes > 1:
+                return Paths(*self.greedy_paths(trees.tensors(), logits, ancestors))
+            bonus = logits[:, 0].argmax(dim=-1)  # [B] a lone root: generate()'s argmax
+            zeros = torch.zeros_like(bonus)
+            return Paths(zeros, bonus, zeros[:, None], trees.tokens[:, :1], zeros[:, None][:, :0])
         result = verify_tree(trees, logits, context_ids=[s[0] for s in sequences], logits_processor=self.processors,
                              do_sample=self.do_sample)
         return Paths(*path_summary(trees, result))
@@ -290,35 +369,111 @@ def accepted_greedy_paths(tree_tensors: tuple[torch.Tensor, ...], logits: torch.
     return path_summary(trees, result)
 
 
-def prefill(verifier: _Verifier, input_ids: torch.Tensor, attention_mask: torch.Tensor, context_len: int,
-            stats: DartStats) -> tuple[Batch, Step]:
-    """The target over the left-padded prompts [B, T]; each last position picks the first token, verified as a
-    one-node tree so that logits processors and sampling apply exactly as in every later step."""
+def root_trees(batch: Batch) -> tuple[DraftTreeBatch, torch.Tensor]:
+    """One-node trees of the roots (each row's last token): a step that decides the next token alone, as a plain
+    generate() step does -> (trees, ancestors [B, 1, 1])."""
+    b = len(batch.rows)
+    device = batch.contexts.device
+    trees = DraftTreeBatch(batch.contexts[:, -1:], torch.full((b, 1), -1, device=device),
+                           torch.zeros(b, 1, dtype=torch.long, device=device), torch.zeros(b, 1, device=device),
+                           torch.ones(b, 1, dtype=torch.bool, device=device))
+    return trees, torch.ones(b, 1, 1, dtype=torch.bool, device=device)
+
+
+@dataclasses.dataclass
+class Carried:
+    """The head's state for a cache a DART call left (batch size 1): the head cache of the rows it consumed and the
+    target's tapped hidden states of the positions after them, up to the cache's length `past`."""
+
+    head: "weakref.ref[DartHead]"
+    head_cache: object  # the head's cache (`DartHead.new_cache`): rows 0..consumed-1
+    aux: torch.Tensor  # [1, past - consumed, 3*Ht]
+    past: int
+
+
+CARRIED_ATTRIBUTE = "dart_head_state"  # where a DART call leaves `Carried` on the cache it continues
+
+
+def _take_carried(cache, head: DartHead, past: int) -> Optional[Carried]:
+    """The head's state `cache` carries for `head` at its current length, removed from it (None without one)."""
+    carried = getattr(cache, CARRIED_ATTRIBUTE, None)
+    if carried is None:
+        return None
+    setattr(cache, CARRIED_ATTRIBUTE, None)
+    return carried if carried.head() is head and carried.past == past else None
+
+
+def _carry(cache, head: DartHead, head_cache, step: "Step", past: int, attention_mask: torch.Tensor) -> None:
+    """Leave on `cache` (cropped to `past` positions) what the head needs to continue from it (batch size 1, no
+    padding): the pending rows of `step` up to position past-1."""
+    if not bool(attention_mask.all()):
+        return
+    consumed = int(head_cache.lengths[0])
+    pending = past - consumed
+    if not 0 <= pending <= step.aux_rows.shape[1]:
+        return
+    setattr(cache, CARRIED_ATTRIBUTE, Carried(weakref.ref(head), head_cache, step.aux_rows[:, :pending], past))
+
+
+def prompt_rows(model, plan: TargetPlan, prefix: torch.Tensor) -> torch.Tensor:
+    """The target's tapped hidden states [1, P, 3*Ht] of `prefix` [1, P], computed into a scratch cache: the head's
+    rows of a cache that carries no head state."""
+    from transformers import DynamicCache
+
+    out = model(input_ids=prefix, past_key_values=DynamicCache(config=model.config), use_cache=True,
+                output_hidden_states=list(plan.layer_ids), **_last_logits_only(model))
+    return tapped_hidden_states(out, plan.layer_ids)
+
+
+def _last_logits_only(model) -> dict:
+    """The forward argument that keeps only the last position's logits, where the model has it."""
+    supports = getattr(model, "_supports_logits_to_keep", None)
+    return {"logits_to_keep": 1} if supports is not None and supports() else {}
+
+
+def prefill(verifier: _Verifier, head: DartHead, input_ids: torch.Tensor, attention_mask: torch.Tensor, past: int,
+            carried: Optional[Carried], context_len: int, stats: DartStats) -> tuple[Batch, Step, object]:
+    """The target over the left-padded prompts [B, T] after the `past` positions already in the cache (batch size 1
+    when past > 0); each last position picks the first token, verified as a one-node tree so that logits processors
+    and sampling apply exactly as in every later step -> (batch, step, head cache). The step's head rows cover every
+    position the head has not consumed: after `carried`'s, or from 0 (for a cache without it, the prefix's hidden
+    states come from one more target forward)."""
     device = input_ids.device
     t0 = stats.clock(device)
     b, t = input_ids.shape
-    out = verifier.model(input_ids=input_ids, attention_mask=attention_mask,
-                         position_ids=prompt_positions(attention_mask), past_key_values=verifier.cache,
-                         use_cache=True, output_hidden_states=list(verifier.plan.layer_ids))
-    roots = DraftTreeBatch(input_ids[:, -1:], torch.full((b, 1), -1, device=device),
-                           torch.zeros(b, 1, dtype=torch.long, device=device),
-                           torch.zeros(b, 1, device=device), torch.ones(b, 1, dtype=torch.bool, device=device))
+    model, plan = verifier.model, verifier.plan
+    padded = not bool(attention_mask.all())
+    out = model(input_ids=input_ids[:, past:], attention_mask=attention_mask if padded else None,
+                position_ids=prompt_positions(attention_mask)[:, past:], past_key_values=verifier.cache,
+                use_cache=True, output_hidden_states=list(plan.layer_ids), **_last_logits_only(model))
     logits = out.logits[:, -1:].float()  # [B, 1, V]
-    first = verifier.accept(roots, logits, torch.ones(b, 1, 1, dtype=torch.bool, device=device),
-                            list(input_ids.split(1))).bonus  # [B]
+    first = verifier.accept(root_trees(Batch([0] * b, None, None, input_ids[:, -1:]))[0], logits,
+                            torch.ones(b, 1, 1, dtype=torch.bool, device=device), list(input_ids.split(1))).bonus
     # the head reads each prompt's real rows from its first one: left-align them (R = the longest prompt)
-    real = attention_mask.sum(dim=1)  # [B]
+    real = attention_mask.sum(dim=1) - past  # [B] new real positions
     rows = int(real.max())
-    index = (t - real[:, None] + torch.arange(rows, device=device)).clamp(max=t - 1)  # [B, R]
-    shifted = torch.cat((input_ids[:, 1:], first[:, None]), dim=1)  # [B, T] column c: the token after c
-    aux = tapped_hidden_states(out, verifier.plan.layer_ids)
+    index = (t - past - real[:, None] + torch.arange(rows, device=device)).clamp(max=t - past - 1)  # [B, R]
+    shifted = torch.cat((input_ids[:, past + 1:], first[:, None]), dim=1)  # [B, T-past] column c: the token after c
+    aux = tapped_hidden_states(out, plan.layer_ids)
+    aux_rows, head_ids = aux.gather(1, index[..., None].expand(-1, -1, aux.shape[-1])), shifted.gather(1, index)
+    head_lengths = real
+    if past:  # batch size 1: the rows from the head's last consumed one up to the cache's end come first
+        if carried is not None:
+            head_cache, start, before = carried.head_cache, past - carried.aux.shape[1], carried.aux
+        else:
+            head_cache, start, before = head.new_cache(1), 0, prompt_rows(model, plan, input_ids[:, :past])
+        aux_rows = torch.cat((before.to(aux_rows.dtype), aux_rows), dim=1)
+        head_ids = torch.cat((input_ids[:, start + 1 : past + 1], head_ids), dim=1)
+        head_lengths = real + (past - start)
+    else:
+        head_cache = head.new_cache(b)
     tokens = torch.where(attention_mask.bool(), input_ids, -1)
     contexts = torch.cat((torch.full((b, context_len), -1, device=device), tokens, first[:, None]), dim=1)
-    batch = Batch(list(range(b)), attention_mask.bool(), real, contexts[:, -context_len:])
-    step = Step([[t] for t in first.tolist()], first[:, None], torch.zeros(b, 1, dtype=torch.long, device=device),
-                logits, aux.gather(1, index[..., None].expand(-1, -1, aux.shape[-1])), shifted.gather(1, index), real)
+    batch = Batch(list(range(b)), attention_mask.bool(), attention_mask.sum(dim=1), contexts[:, -context_len:])
+    step = Step([[x] for x in first.tolist()], first[:, None], torch.zeros(b, 1, dtype=torch.long, device=device),
+                logits, aux_rows, head_ids, head_lengths)
     stats.prefill_time = stats.clock(device) - t0
-    return batch, step
+    return batch, step, head_cache
 
 
 @dataclasses.dataclass
@@ -337,24 +492,41 @@ class TreeSearch:
 
 def draft(head: DartHead, search, step: Step, head_cache, batch: Batch, tree_config: TreeConfig, cuda_graph: bool,
           stats: DartStats) -> tuple[DraftTreeBatch, torch.Tensor]:
-    """One drafting pass over every sequence's new rows (a DART head: one forward with its mask rows) and the tree
-    search (`TreeSearch`; the drafter interface, docs/DESIGN.md §1.2) -> (trees, ancestors [B, N, N])."""
+    """One drafting pass over every sequence's pending head rows (a DART head: one forward with its mask rows) and
+    the tree search (`TreeSearch`; the drafter interface, docs/DESIGN.md §1.2) -> (trees, ancestors [B, N, N])."""
     device = batch.contexts.device
     t0 = stats.clock(device)
     candidates = head.draft(step.aux_rows, step.head_ids, step.head_lengths, head_cache, tree_config,
                             cuda_graph=cuda_graph)
     t1 = stats.clock(device)
     trees, ancestors = search(candidates, batch.contexts)
+    t2 = stats.clock(device)
+    if not stats.forwards:
+        stats.first_draft_time = t2 - t0
     stats.head_time += t1 - t0
-    stats.tree_time += stats.clock(device) - t1
+    stats.tree_time += t2 - t1
     stats.tree_nodes = trees.num_nodes
     return trees, ancestors
 
 
+def merge_rows(first: torch.Tensor, first_lengths: torch.Tensor, second: torch.Tensor,
+               second_lengths: torch.Tensor) -> torch.Tensor:
+    """Per row b, the first first_lengths[b] rows of `first` [B, R1, ...] then the first second_lengths[b] of
+    `second` [B, R2, ...] -> [B, R1+R2, ...] (padding after them)."""
+    if not first.shape[1]:
+        return second
+    width = first.shape[1] + second.shape[1]
+    j = torch.arange(width, device=first.device)[None, :]  # [1, R1+R2]
+    index = torch.where(j < first_lengths[:, None], j, first.shape[1] + j - first_lengths[:, None]).clamp(max=width - 1)
+    both = torch.cat((first, second), dim=1)
+    return both.gather(1, index.view(*index.shape, *([1] * (both.dim() - 2))).expand(-1, -1, *both.shape[2:]))
+
+
 def verify_step(verifier: _Verifier, trees: DraftTreeBatch, ancestors: torch.Tensor, batch: Batch,
-                sequences: list[torch.Tensor], stats: DartStats) -> Step:
+                sequences: Optional[list[torch.Tensor]], pending: Step, stats: DartStats) -> Step:
     """One target forward over all trees, acceptance, and the KV cache compacted to the accepted paths (rows that
-    accepted fewer tokens than the longest leave masked holes). One host synchronisation: the accepted paths."""
+    accepted fewer tokens than the longest leave masked holes). One host synchronisation: the accepted paths. The
+    new step's head rows follow the rows of `pending` the head has not consumed yet."""
     device = batch.contexts.device
     t0 = stats.clock(device)
     dtype = next(verifier.model.parameters()).dtype
@@ -365,7 +537,8 @@ def verify_step(verifier: _Verifier, trees: DraftTreeBatch, ancestors: torch.Ten
                        verifier.plan.layer_ids)
     t2 = stats.clock(device)
     logits = out.logits.float()  # [B, N, V]
-    paths = verifier.accept(trees, logits, ancestors, sequences)
+    paths = verifier.accept(trees, logits, ancestors,
+                            None if sequences is None else [sequences[row] for row in batch.rows])
     d = paths.ranks.shape[1]
     # the step's one synchronisation: per row [a, ranks (d), nodes (d+1), tokens (d+1), bonus]
     host = torch.cat((paths.accept_length[:, None], paths.ranks, paths.nodes, paths.tokens, paths.bonus[:, None]),
@@ -388,12 +561,15 @@ def verify_step(verifier: _Verifier, trees: DraftTreeBatch, ancestors: torch.Ten
     batch.contexts = torch.cat((batch.contexts, new_ids), dim=1).gather(
         1, counts[:, None] + torch.arange(batch.contexts.shape[1], device=device))
     aux = tapped_hidden_states(out, verifier.plan.layer_ids)
+    aux = aux.gather(1, paths.nodes[:, :k, None].expand(-1, -1, aux.shape[-1]))  # [B, k, 3*Ht]
     step = Step(new_tokens, new_ids, paths.nodes[:, :k], logits,
-                aux.gather(1, paths.nodes[:, :k, None].expand(-1, -1, aux.shape[-1])), new_ids, counts)
+                merge_rows(pending.aux_rows, pending.head_lengths, aux, counts),
+                merge_rows(pending.head_ids, pending.head_lengths, new_ids, counts), pending.head_lengths + counts)
+    if trees.num_nodes > 1:  # a step with a drafted tree (a lone root accepts nothing by construction)
+        stats.accepted_lengths += accepted
+        stats.batch_rows += batch.rows
+        stats.accepted_ranks += ranks
     stats.forwards += 1
-    stats.accepted_lengths += accepted
-    stats.batch_rows += batch.rows
-    stats.accepted_ranks += ranks
     stats.mask_time += t1 - t0
     stats.target_time += t2 - t1
     stats.accept_time += t3 - t2
@@ -402,8 +578,9 @@ def verify_step(verifier: _Verifier, trees: DraftTreeBatch, ancestors: torch.Ten
     return step
 
 
-def _drop_finished(batch: Batch, step: Step, head_cache, cache, keep: list[int]) -> tuple[Batch, Step]:
-    """The batch without its finished sequences: rows `keep` of the batch, the step and both caches."""
+def _drop_rows(batch: Batch, step: Step, head_cache, cache, keep: list[int]) -> tuple[Batch, Step]:
+    """The batch without the sequences that need no more tokens: rows `keep` of the batch, the step and both
+    caches."""
     index = torch.tensor(keep, device=batch.contexts.device)
     cache.batch_select_indices(index)
     head_cache.select_rows(index)
@@ -411,12 +588,18 @@ def _drop_finished(batch: Batch, step: Step, head_cache, cache, keep: list[int])
 
 
 def _prepare(model, head: DartHead, input_ids, generation_config, model_kwargs, tokenizer, streamer,
-             want_scores: bool, stopping_criteria, processors) -> tuple[TargetPlan, torch.Tensor]:
-    """Every check that can fail, before any work -> the plan and the [B, T] attention mask (left padding)."""
+             want_scores: bool, processors, synced_gpus: bool) -> tuple[TargetPlan, torch.Tensor, object, int]:
+    """Every check that can fail, before any work -> (the plan, the [B, T] attention mask (left padding), the KV
+    cache, the positions it already holds)."""
     if generation_config.num_beams != 1:
         raise DartInputError(f"DART does not combine with beam search (num_beams={generation_config.num_beams})")
     if generation_config.num_return_sequences != 1:
         raise DartInputError("DART returns one sequence per prompt (num_return_sequences must be 1)")
+    if synced_gpus:
+        raise DartInputError("synced_gpus (DeepSpeed ZeRO-3 / FSDP across devices) is not supported with DART")
+    if model_kwargs.get("inputs_embeds") is not None:
+        raise DartInputError("inputs_embeds is not supported with DART: the head and the n-gram read token ids; "
+                             "pass input_ids")
     batch_size = input_ids.shape[0]
     if head.max_batch_size is not None and batch_size > head.max_batch_size:
         raise DartInputError(f"{type(head).__name__} drafts at most {head.max_batch_size} sequence(s) at a time; got "
@@ -424,8 +607,9 @@ def _prepare(model, head: DartHead, input_ids, generation_config, model_kwargs, 
     if batch_size > 1 and streamer is not None:
         raise DartInputError("streamers take one sequence (batch size 1), as in transformers; got batch size "
                              f"{batch_size}")
-    if batch_size > 1:
-        _check_batch_semantics(stopping_criteria, processors)
+    if batch_size > 1 and any(isinstance(p, _prefix_processor_class()) for p in processors or []):
+        raise DartInputError("prefix_allowed_tokens_fn needs batch size 1 with dart_head (it is called with each "
+                             "row's batch index, which per-node verification does not have)")
     if batch_size > 1 and want_scores:
         raise DartInputError("output_scores / output_logits with dart_head need batch size 1 (sequences of a batch "
                              "advance by different numbers of tokens per step)")
@@ -433,12 +617,12 @@ def _prepare(model, head: DartHead, input_ids, generation_config, model_kwargs, 
                                                       or generation_config.output_hidden_states):
         raise DartInputError("output_attentions / output_hidden_states are not available with dart_head (the target "
                              "runs over draft trees, not one token per step)")
+    if not generation_config.use_cache:
+        raise DartInputError("DART tree decoding needs use_cache=True")
     attention_mask = model_kwargs.get("attention_mask")
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     _check_left_padding(attention_mask, input_ids)
-    if not generation_config.use_cache:
-        raise DartInputError("DART tree decoding needs use_cache=True")
     vocab = int(model.get_input_embeddings().weight.shape[0])
     bad = id_outside_vocab(input_ids, vocab)
     if bad is not None:
@@ -448,25 +632,20 @@ def _prepare(model, head: DartHead, input_ids, generation_config, model_kwargs, 
     if cache is None:
         raise DartInputError("generate() prepared no cache; DART needs a DynamicCache")
     check_cache(cache)
-    if cache.get_seq_length() != 0:
-        raise DartInputError("DART tree decoding starts from an empty cache (passing past_key_values is not supported)")
-    return plan_for(model, head, tokenizer), attention_mask
+    past = cache.get_seq_length()
+    if batch_size > 1 and (past or getattr(cache, "_is_user_defined", False)):
+        raise DartInputError("a past_key_values cache passed in needs batch size 1 with DART (finished sequences "
+                             "leave its cache)")
+    if past and past >= input_ids.shape[1]:
+        raise DartInputError(f"the cache holds {past} positions but input_ids only {input_ids.shape[1]}: pass the "
+                             "whole sequence, the cached prefix included, and at least one new token")
+    return plan_for(model, head, tokenizer), attention_mask.long(), cache, past
 
 
-def _check_batch_semantics(stopping_criteria, processors) -> None:
-    """What a batch needs so that each row can stop and be processed on its own, as plain `generate()` does."""
-    from transformers import MaxLengthCriteria, MaxTimeCriteria, PrefixConstrainedLogitsProcessor
+def _prefix_processor_class():
+    from transformers import PrefixConstrainedLogitsProcessor
 
-    criteria = list(stopping_criteria or [])
-    has_eos = any(hasattr(c, "eos_token_id") for c in criteria)
-    if not has_eos and any(not isinstance(c, (MaxLengthCriteria, MaxTimeCriteria)) for c in criteria):
-        # plain generate() pads a stopped row only when an EOS criterion exists; otherwise it keeps decoding it
-        raise DartInputError("with several sequences, stop strings and custom stopping criteria need an "
-                             "eos_token_id in the generation config (without one, generate() keeps decoding a stopped "
-                             "row); set eos_token_id, or generate one sequence at a time")
-    if any(isinstance(p, PrefixConstrainedLogitsProcessor) for p in processors or []):
-        raise DartInputError("prefix_allowed_tokens_fn needs batch size 1 with dart_head (it is called with each "
-                             "row's batch index, which per-node verification does not have)")
+    return PrefixConstrainedLogitsProcessor
 
 
 def _check_left_padding(attention_mask: torch.Tensor, input_ids: torch.Tensor) -> None:
@@ -474,9 +653,9 @@ def _check_left_padding(attention_mask: torch.Tensor, input_ids: torch.Tensor) -
     if tuple(attention_mask.shape) != tuple(input_ids.shape):
         raise DartInputError(f"attention_mask shape {list(attention_mask.shape)} does not match input_ids "
                              f"{list(input_ids.shape)}")
-    mask = attention_mask.long()
-    if bool(((mask != 0) & (mask != 1)).any()):
+    if bool(((attention_mask != 0) & (attention_mask != 1)).any()):
         raise DartInputError("attention_mask must hold 0 (padding) and 1 (token) only")
+    mask = attention_mask.long()
     empty = (mask.sum(dim=1) == 0).nonzero()
     if empty.numel():
         raise DartInputError(f"row {int(empty[0])} of the batch is all padding (attention_mask all zeros)")
@@ -486,72 +665,6 @@ def _check_left_padding(attention_mask: torch.Tensor, input_ids: torch.Tensor) -
                              "tokenizer.padding_side = 'left'). If the prompt is not padded, generate() may have "
                              "guessed padding from pad_token_id occurring in it: pass "
                              "attention_mask=torch.ones_like(input_ids)")
-
-
-@dataclasses.dataclass(frozen=True)
-class HostStops:
-    """Stopping criteria that the host decides from token ids alone: generate()'s own maximum-length and EOS
-    criteria, what a call without custom criteria, stop strings or `max_time` has."""
-
-    max_length: Optional[int]  # stop once the sequence (prompt and padding included) is this long
-    eos: frozenset  # stop after any of these tokens
-
-    @classmethod
-    def of(cls, criteria) -> Optional["HostStops"]:
-        """The host form of `criteria`, or None when one of them is another kind (or could warn on its own)."""
-        from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
-
-        lengths, eos = [], set()
-        for criterion in criteria or ():
-            if type(criterion) is MaxLengthCriteria:
-                if (criterion.max_position_embeddings is not None
-                        and criterion.max_length > criterion.max_position_embeddings):
-                    return None  # it warns once the sequence outgrows the model: leave that to it
-                lengths.append(criterion.max_length)
-            elif type(criterion) is EosTokenCriteria:
-                eos.update(torch.as_tensor(criterion.eos_token_id).flatten().tolist())
-            else:
-                return None
-        return cls(min(lengths, default=None), frozenset(eos))
-
-    def emitted(self, length: int, tokens: list[int]) -> tuple[int, bool]:
-        """`_emit`'s answer for a sequence of `length` tokens and new `tokens`."""
-        for i, token in enumerate(tokens):
-            if token in self.eos or (self.max_length is not None and length + i + 1 >= self.max_length):
-                return i + 1, True
-        return len(tokens), False
-
-
-def _emit(sequence, new_tokens, tokens: list[int], stopping_criteria,
-          host_stops: Optional[HostStops]) -> tuple[int, bool]:
-    """How many of `new_tokens` [k] (`tokens` on the host) to append to `sequence` [1, L]: all, or up to the first
-    prefix that meets a stopping criterion. Every prefix is checked: on the host when `host_stops` stands for the
-    criteria, else by calling them (one host synchronisation per prefix)."""
-    if host_stops is not None:
-        return host_stops.emitted(sequence.shape[1], tokens)
-    for i in range(new_tokens.shape[0]):
-        if bool(stopping_criteria(torch.cat((sequence, new_tokens[None, : i + 1]), dim=1), None).any()):
-            return i + 1, True
-    return new_tokens.shape[0], False
-
-
-def _padded(sequences: list[torch.Tensor], generation_config) -> torch.Tensor:
-    """The sequences [1, L_b] as one [B, max L_b] tensor, shorter ones right-padded with `pad_token_id` as
-    `generate()` pads sequences that finished early."""
-    width = max(s.shape[1] for s in sequences)
-    if all(s.shape[1] == width for s in sequences):
-        return torch.cat(sequences)
-    pad = getattr(generation_config, "_pad_token_tensor", None)  # generate() sets it (EOS when no pad is given)
-    if pad is None:
-        pad = generation_config.pad_token_id
-    if isinstance(pad, torch.Tensor):
-        pad = pad.flatten()[0].item() if pad.numel() else None
-    elif isinstance(pad, (list, tuple)):
-        pad = pad[0] if pad else None
-    if pad is None:
-        raise DartInputError("sequences finished at different lengths and the generation config has no pad_token_id "
-                             "to pad them with")
-    return torch.cat([torch.nn.functional.pad(s, (0, width - s.shape[1]), value=int(pad)) for s in sequences])
 
 
 def _record_scores(scores, raw_logits, sequence, new_tokens, path_logits, processors, want_scores,

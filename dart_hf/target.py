@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import threading
 from typing import Iterator, Optional
 
 import torch
@@ -49,7 +50,7 @@ def plan_for(model, head: DartHead, tokenizer=None) -> TargetPlan:
 def check_attention(model) -> None:
     """Tree verification needs an attention implementation that takes a 4D additive mask."""
     impl = getattr(model.config, "_attn_implementation", None) or "eager"
-    if impl not in TREE_ATTENTION_IMPLEMENTATIONS + (GROUPED_SDPA,):  # the latter: another DART call is running
+    if impl not in TREE_ATTENTION_IMPLEMENTATIONS:
         raise DartInputError(f"DART tree decoding needs attention that accepts a tree mask "
                              f"({', '.join(TREE_ATTENTION_IMPLEMENTATIONS)}); "
                              f"the model uses {impl!r}. Load it with attn_implementation='sdpa' "
@@ -98,20 +99,43 @@ def tree_forward(model, node_ids: torch.Tensor, positions: torch.Tensor, mask: t
 
 @contextlib.contextmanager
 def tree_forwards(model) -> Iterator[None]:
-    """Within the block, `model`'s forwards take the kernels that suit tree verification: few-row linear layers the
-    faster CPU product (`dart_core.matmul`), sdpa attention layers `grouped_sdpa_attention`. Results are those of the
-    model's own kernels up to float rounding. Entering walks the model: enter once around many forwards."""
-    with few_row_linears(model), grouped_attention(model):
+    """Within the block, in this context only, `model`'s forwards take the kernels that suit tree verification:
+    few-row linear layers the faster CPU product (`dart_core.matmul`), sdpa attention `grouped_sdpa_attention`.
+    Results are those of the model's own kernels up to float rounding; other threads and code outside the block keep
+    the model's own kernels."""
+    with few_row_linears(model), grouped_attention():
         yield
 
 
 # ---- grouped-query attention without copies of the keys and values ------------------------------------------------
-GROUPED_SDPA = "dart_grouped_sdpa"  # its name in transformers' attention (and attention-mask) interfaces
 SDPA_EXTRAS = ("position_bias", "softcap", "cache", "s_aux")  # what sdpa does beyond plain attention: left to it
 # inside `grouped_attention`: [(mask, its version counter, G, grouped mask)] of the last mask seen, so that the layers
 # of one forward share one grouped mask (the entry holds the mask, so `is` cannot match another tensor, and the
-# version counter catches an in-place change)
+# version counter catches an in-place change); None outside (sdpa is transformers' own)
 _LAST_GROUPED_MASK: contextvars.ContextVar[Optional[list]] = contextvars.ContextVar("dart_grouped_mask", default=None)
+_SDPA_LOCK = threading.Lock()
+_PLAIN_SDPA: list = []  # [the "sdpa" attention function registered before `_sdpa_dispatch`], once installed
+
+
+def _sdpa_dispatch(module, query, key, value, attention_mask, *args, **kwargs):
+    """transformers' "sdpa" attention once DART has used it: the function registered before (transformers' own),
+    or inside `grouped_attention` in this context, `grouped_sdpa_attention`."""
+    if _LAST_GROUPED_MASK.get() is None:
+        return _PLAIN_SDPA[0](module, query, key, value, attention_mask, *args, **kwargs)
+    return grouped_sdpa_attention(module, query, key, value, attention_mask, *args, **kwargs)
+
+
+def _install_sdpa_dispatch() -> None:
+    """Register `_sdpa_dispatch` as transformers' "sdpa" attention (once; it calls the previous function outside
+    DART's tree forwards, so every other forward computes exactly as before)."""
+    if _PLAIN_SDPA:
+        return
+    from transformers import AttentionInterface
+
+    with _SDPA_LOCK:
+        if not _PLAIN_SDPA:
+            _PLAIN_SDPA.append(AttentionInterface._global_mapping["sdpa"])
+            AttentionInterface.register("sdpa", _sdpa_dispatch)
 
 
 def grouped_sdpa_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -124,23 +148,29 @@ def grouped_sdpa_attention(module, query: torch.Tensor, key: torch.Tensor, value
     whole cache, in every layer and step). Here the G query heads of a key/value head are stacked along the query
     axis instead, with the mask repeated to match: the same scores and softmax for every (head, query) pair.
     query [B, H, N, hd], key/value [B, H/G, S, hd], mask [B, 1, N, S] -> ([B, N, H, hd], None). Every other case
-    (no mask, one query, no grouping, dropout, sdpa's extras) is transformers' `sdpa_attention_forward`.
+    (no mask, one query, no grouping, dropout, sdpa's extras) is transformers' own sdpa attention.
     """
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     groups = getattr(module, "num_key_value_groups", 1)
     b, h, n, hd = query.shape
     s = key.shape[2]
     if (groups == 1 or n == 1 or key.shape[1] * groups != h or value.shape[-1] != hd or attention_mask is None
             or tuple(attention_mask.shape[1:]) != (1, n, s) or dropout
             or any(kwargs.get(name) is not None for name in SDPA_EXTRAS)):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+        return _plain_sdpa()(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     stacked = query.reshape(b, h // groups, groups * n, hd)  # head kv*G + g, query i -> row g*N + i of head kv
     mask = _grouped_mask(attention_mask, b, groups)  # [B, 1, G*N, S]
     out = F.scaled_dot_product_attention(stacked, key, value, attn_mask=mask, scale=scaling)  # [B, H/G, G*N, hd]
     # reshape, not view: CUDA's memory-efficient kernel returns this shape in a transposed layout
     return out.reshape(b, h, n, hd).transpose(1, 2).contiguous(), None
+
+
+def _plain_sdpa():
+    """The sdpa attention DART's dispatch wraps (transformers' own before any DART call)."""
+    if _PLAIN_SDPA:
+        return _PLAIN_SDPA[0]
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward
 
 
 def _grouped_mask(mask: torch.Tensor, batch: int, groups: int) -> torch.Tensor:
@@ -157,28 +187,14 @@ def _grouped_mask(mask: torch.Tensor, batch: int, groups: int) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def grouped_attention(model) -> Iterator[None]:
-    """Within the block, the attention layers of `model` that use sdpa take `grouped_sdpa_attention` (and sdpa's
-    mask construction, so any forward may run inside)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-
-    AttentionInterface.register(GROUPED_SDPA, grouped_sdpa_attention)
-    AttentionMaskInterface.register(GROUPED_SDPA, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
-    configs = {id(m.config): m.config for m in model.modules()
-               if getattr(m, "num_key_value_groups", 1) > 1 and hasattr(m, "config")
-               and getattr(m.config, "_attn_implementation", None) == "sdpa"}
-    for config in configs.values():  # the attribute, not the setter (which rewrites every sub-config)
-        config._attn_implementation_internal = GROUPED_SDPA
+def grouped_attention() -> Iterator[None]:
+    """Within the block, in this context only, attention layers that use sdpa take `grouped_sdpa_attention`."""
+    _install_sdpa_dispatch()
+    token = _LAST_GROUPED_MASK.set([None])
     try:
-        token = _LAST_GROUPED_MASK.set([None])
-        try:
-            yield
-        finally:
-            _LAST_GROUPED_MASK.reset(token)
+        yield
     finally:
-        for config in configs.values():
-            config._attn_implementation_internal = "sdpa"
+        _LAST_GROUPED_MASK.reset(token)
 
 
 def keep_accepted_path(cache, past_len: int, paths: torch.Tensor, at_front: bool = False) -> None:

@@ -88,8 +88,8 @@ def test_tau_of_smaller_trees_is_exact_per_step(kind):
     length = PROMPT.shape[1] + 1  # the prefill emits the first root
     for step, ranks in enumerate(stats.accepted_ranks):
         prefix = out[:, : length - 1]  # decoding from here re-emits the root, then verifies step `step`'s tree
-        for r in sizes + (60,):
-            model.generate(prefix, max_new_tokens=2, do_sample=False, dart_head=head,
+        for r in sizes + (60,):  # (3 new tokens: a call's last token is decided by the root alone)
+            model.generate(prefix, max_new_tokens=3, do_sample=False, dart_head=head,
                            dart_tree_config=TreeConfig(remain_total=r))
             assert model.dart_stats.accepted_lengths[0] == stats.accepted_within(r)[step], (step, r)
             if r == 60:

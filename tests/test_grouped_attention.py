@@ -7,8 +7,8 @@ import torch
 from transformers import DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from dart_hf.target import (GROUPED_SDPA, check_attention, grouped_attention, grouped_sdpa_attention,
-                            tree_attention_mask, tree_forwards)
+from dart_hf.target import (check_attention, grouped_attention, grouped_sdpa_attention, tree_attention_mask,
+                            tree_forwards)
 from hf_models import tiny_target
 
 
@@ -62,7 +62,7 @@ def test_each_new_mask_is_used_inside_one_block():
     model = tiny_target()
     module, q, k, v, first = random_case(4, 1, 4, 2, 3, 10, False)
     *_, second = random_case(5, 1, 4, 2, 3, 10, False)
-    with grouped_attention(model):
+    with grouped_attention():
         made = []
         for mask in (first, first, second, first):
             got, _ = grouped_sdpa_attention(module, q, k, v, mask)
@@ -82,7 +82,7 @@ def test_other_cases_are_transformers_sdpa_itself():
                            sdpa_attention_forward(module, q, k, v, mask)[0])
 
 
-def test_tree_forwards_matches_the_model_and_restores_it(monkeypatch):
+def test_tree_forwards_matches_the_model_and_changes_nothing_outside(monkeypatch):
     import dart_hf.target as target
 
     model = tiny_target()
@@ -111,23 +111,33 @@ def test_tree_forwards_matches_the_model_and_restores_it(monkeypatch):
 
         want = run()
         with tree_forwards(model):
-            assert model.config._attn_implementation == GROUPED_SDPA
+            assert model.config._attn_implementation == "sdpa"  # the model is not switched
             check_attention(model)  # what a second DART call sees while this one runs
             got = run()
-        assert model.config._attn_implementation == "sdpa"
+        after = run()
     # inside the block every forward with a 4D mask took the grouped path (the padded prompts' masks are 4D too):
     # three forwards in `run`, none outside the block
     assert stacked_calls["n"] == 3 * model.config.num_hidden_layers
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    for a, b in zip(after, want):  # outside the block: the model's own kernels, bit for bit
+        assert torch.equal(a, b)
 
 
-def test_grouped_attention_restores_on_error_and_leaves_eager_alone():
+def test_grouped_attention_ends_on_error_and_leaves_eager_alone(monkeypatch):
+    import dart_hf.target as target
+
     model = tiny_target()
     with pytest.raises(RuntimeError, match="boom"):
-        with grouped_attention(model):
+        with grouped_attention():
             raise RuntimeError("boom")
-    assert model.config._attn_implementation == "sdpa"
+    assert target._LAST_GROUPED_MASK.get() is None  # outside: transformers' own sdpa
+    calls = []
+    monkeypatch.setattr(target, "grouped_sdpa_attention", lambda *a, **k: calls.append(1))
     eager = tiny_target(attn="eager")
-    with grouped_attention(eager):
-        assert eager.config._attn_implementation == "eager"
+    ids = torch.randint(0, 96, (1, 5))
+    mask = tree_attention_mask(torch.ones(1, 5, 5, dtype=torch.bool).tril(), torch.zeros(1, 0, dtype=torch.bool),
+                               torch.float32)
+    with torch.no_grad(), grouped_attention():
+        eager(ids, attention_mask=mask)
+    assert eager.config._attn_implementation == "eager" and not calls

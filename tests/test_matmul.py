@@ -41,24 +41,38 @@ def test_few_row_linear_takes_the_transposed_product_only_for_few_rows(two_threa
     assert max_rows() == 10
 
 
-def test_few_row_linears_swaps_eligible_layers_and_restores_them():
+def test_few_row_linears_apply_inside_the_block_only():
     plain = nn.Linear(8, 4)
     half = nn.Linear(8, 4).to(torch.bfloat16)
     hooked = nn.Linear(8, 4)
     hooked.forward = lambda x: torch.zeros(x.shape[:-1] + (4,))  # e.g. an offloading hook's forward
     model = nn.Sequential(plain, nn.ReLU())
-    with few_row_linears(model, half, hooked):
-        assert "forward" in plain.__dict__
-        assert "forward" not in half.__dict__
+    calls = []
+
+    def product(x, weight, bias):
+        calls.append(x.shape)
+        return F.linear(x, weight, bias)
+
+    x = torch.randn(3, 8)
+    with few_row_linears(model, half, hooked, product=product):
         assert hooked(torch.ones(2, 8)).abs().sum() == 0  # left alone
-        x = torch.randn(3, 8)
         torch.testing.assert_close(model(x), torch.relu(F.linear(x, plain.weight, plain.bias)))
-    assert "forward" not in plain.__dict__ and "forward" in hooked.__dict__
+        half(x.to(torch.bfloat16))  # not a float32 CPU weight: its own F.linear
+    assert calls == [(3, 8)]
+    assert torch.equal(model(x), torch.relu(F.linear(x, plain.weight, plain.bias)))  # outside: F.linear exactly
+    assert calls == [(3, 8)] and "forward" in hooked.__dict__
 
 
-def test_few_row_linears_restores_on_error():
+def test_few_row_linears_end_on_error_and_layers_stay_picklable():
+    import copy
+    import pickle
+
     layer = nn.Linear(4, 4)
+    calls = []
     with pytest.raises(RuntimeError):
-        with few_row_linears(layer):
+        with few_row_linears(layer, product=lambda *a: calls.append(1)):
             raise RuntimeError("boom")
-    assert "forward" not in layer.__dict__
+    x = torch.randn(3, 4)
+    assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias)) and not calls
+    for clone in (pickle.loads(pickle.dumps(layer)), copy.deepcopy(layer)):
+        assert torch.equal(clone(x), layer(x)) and clone.forward.layer is clone
