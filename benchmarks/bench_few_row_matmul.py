@@ -5,7 +5,7 @@ forward with its product computed as two rows (what plain decoding would get fro
 
 SmolLM2-135M-Instruct fp32 on a 256-token cache, the tree loop's forward (`dart_hf.target.tree_forward`: chain
 mask, tapped hidden states); median of `--repeats` forwards per k after one warm-up, the cache cut back after each.
-`few_row` applies `W @ x.T` to every k (also above `dart_core.matmul.max_rows()`, where the loop keeps F.linear),
+`few_row` applies `W @ x.T` to every k (the loop takes it where `dart_core.matmul.transposed_is_faster` measures it faster),
 so the table shows where the break-even lies; `one_row_as_two` is the benchmarks' kernel control for plain decoding.
 """
 
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 import dart_hf
-from dart_core.matmul import few_row_linears, max_rows, transposed_linear
+from dart_core.matmul import few_row_linears, transposed_linear
 from dart_hf.target import keep_accepted_path, tree_attention_mask
 from kernel_control import one_row_as_two
 from results_io import write_results
@@ -77,7 +77,7 @@ def main(argv=None) -> int:
         for name in ("f_linear", "few_row"):
             print(f"  {name:8s} " + " ".join(f"{row[name][k]:5.1f}" for k in SIZES))
         print(f"  one token as a two-row product: {row['one_row_as_two'][1]:.1f} ms "
-              f"(F.linear {row['f_linear'][1]:.1f} ms); the loop uses the few-row product for 2..{max_rows()}")
+              f"(F.linear {row['f_linear'][1]:.1f} ms)")
     if args.json:
         write_results(args.json, results)
     return 0

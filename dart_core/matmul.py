@@ -1,17 +1,18 @@
 """A faster product for the few-row linear layers of a verify step on the CPU.
 
 A tree verify step runs every linear layer of the target on a handful of rows (the tree's nodes), and so does the
-head on its new rows and mask rows. For such inputs `F.linear` (x [M, K] @ W.T, MKL sgemm with a transposed B) is
-slow on the CPU: on this project's 2-core AVX2 machine a SmolLM2 forward over 2-10 tokens took 55-70 ms with it,
-against 36 ms for one token. Computing the same product as `W @ x.T` (W the left operand, then transposed back) took
-24-58 ms for 2-10 tokens (BENCHMARKS.md, "Few-row matmul"). Both are fp32 products of the same numbers, summed in
+head on its new rows and mask rows. For such inputs `F.linear` (x [M, K] @ W.T, MKL sgemm with a transposed B) can be
+slow on the CPU: on a 2-core AMD EPYC machine a SmolLM2 forward over 2-10 tokens took 55-70 ms with it, against 36 ms
+for one token, and computing the same product as `W @ x.T` (W the left operand, then transposed back) took 24-58 ms;
+on a 2-core Intel Xeon `F.linear` was the faster one (BENCHMARKS.md, "Few-row matmul"), so the choice is measured. Both are fp32 products of the same numbers, summed in
 another order: results agree to about 1e-5 relative, as any two BLAS kernels do; DART's losslessness does not rest
 on bitwise equality with plain decoding's kernels (a one-token step already uses another kernel, a matrix-vector
 product, than a tree forward).
 
 `few_row_linears(*modules)` makes that product apply, within a `with` block and only in the calling thread's context,
-to every `nn.Linear` of the modules whose weight is a float32 CPU tensor. Inputs with one row, or with more rows than
-`max_rows()`, take `F.linear` as before, so a plain one-token step or a prefill is unchanged.
+to every `nn.Linear` of the modules whose weight is a float32 CPU tensor, for the row counts at which it measures
+faster on this machine (`transposed_is_faster`). Inputs with one row, or with more than `MAX_ROWS`, take `F.linear`
+as before, so a plain one-token step or a prefill is unchanged.
 
 The model is never switched back and forth: the first use installs on each `nn.Linear` whose `forward` is the class's
 own (modules wrapped by hooks that replace `forward`, e.g. accelerate's offloading, are left alone) a `FewRowForward`,
@@ -25,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import threading
+import time
 import weakref
 from typing import Callable, Iterator, Optional
 
@@ -32,15 +34,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# The measured break-even: `W @ x.T` wins up to about 10 rows with 2 threads and 5 rows with 1 thread
-# (BENCHMARKS.md, "Few-row matmul"), i.e. up to ROWS_PER_THREAD rows per thread; never above MAX_ROWS (not measured).
-ROWS_PER_THREAD = 5
+# `W @ x.T` is tried for 2..MAX_ROWS rows only (one row is a matrix-vector product either way; beyond, sgemm's
+# large-M path is fine). Which of the two products is faster depends on the CPU and its BLAS: on this project's AMD
+# EPYC machines `W @ x.T` won up to about 5 rows per thread, on an Intel Xeon (AVX-512) `F.linear` won at 2-8 rows
+# (BENCHMARKS.md, "Few-row matmul"). So it is measured, once per weight shape, row bucket and thread count.
 MAX_ROWS = 16
-
-
-def max_rows() -> int:
-    """The largest row count that takes the `W @ x.T` product with the current torch thread count."""
-    return min(MAX_ROWS, ROWS_PER_THREAD * torch.get_num_threads())
+ROW_BUCKETS = (2, 4, 8, 16)  # a row count is decided by the measurement at the first bucket bound >= it
+MARGIN = 0.9  # `W @ x.T` is taken when it takes at most this fraction of `F.linear`'s time
+_FASTER: dict[tuple, bool] = {}  # (N, K, bucket, threads, dtype) -> whether `W @ x.T` is the faster product
 
 
 def transposed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -52,10 +53,36 @@ def transposed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
+def _median_seconds(fn: Callable, repeats: int = 3) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[repeats // 2]
+
+
+def transposed_is_faster(weight: torch.Tensor, rows: int) -> bool:
+    """Whether `W @ x.T` beats `F.linear` for `rows` (2..MAX_ROWS) rows through `weight` on this machine with the
+    current thread count: measured on random rows (the row bucket's bound) at the first call for each weight shape
+    and bucket, then remembered for the process."""
+    bucket = next(b for b in ROW_BUCKETS if b >= rows)
+    key = (*weight.shape, bucket, torch.get_num_threads(), weight.dtype)
+    faster = _FASTER.get(key)
+    if faster is None:
+        with torch.no_grad():
+            x = torch.randn(bucket, weight.shape[1], dtype=weight.dtype)
+            plain = _median_seconds(lambda: F.linear(x, weight))
+            transposed = _median_seconds(lambda: transposed_linear(x, weight, None))
+        faster = _FASTER[key] = transposed <= MARGIN * plain
+    return faster
+
+
 def few_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`F.linear`, as `transposed_linear` for 2..max_rows() rows."""
+    """`F.linear`, as `transposed_linear` for 2..MAX_ROWS rows where that is faster here (`transposed_is_faster`)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if not 2 <= rows <= max_rows():
+    if not 2 <= rows <= MAX_ROWS or not transposed_is_faster(weight, rows):
         return F.linear(x, weight, bias)
     return transposed_linear(x, weight, bias)
 

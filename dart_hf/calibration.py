@@ -61,7 +61,7 @@ from dart_hf.loop import DartStats, dart_decoding, last_stats
 from dart_hf.target import (first_eos, keep_accepted_path, plan_for, tree_attention_mask,
                             tree_forward, tree_forwards)
 
-FORMAT_VERSION = 2  # 2: verify forwards with grouped-query attention (faster: older tree sizes are stale)
+FORMAT_VERSION = 3  # 3: the few-row product measured per machine (older tree sizes used a fixed rule: stale)
 LATENCY_GRID = (1, 2, 4, 8, 16, 32, 64)
 CANDIDATES = (1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 60)
 DEFAULT_PROMPTS = (

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import string
+
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
@@ -13,6 +15,25 @@ ARCHS = {
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM),
 }
+
+
+CHARS = "".join(c for c in string.ascii_letters + string.digits + " \n" + string.punctuation if c not in "`~")
+
+
+def char_tokenizer():
+    """A 96-token character-level tokenizer for the tiny targets: id 0 the pad, id 1 the EOS, then one token per
+    character (letters, digits, space, newline, punctuation), so stop strings and JSON grammars can spell text."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, **{c: i + 2 for i, c in enumerate(CHARS)}}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>",
+                                        padding_side="left")
+    tokenizer.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                               "{% if add_generation_prompt %}assistant:{% endif %}")
+    return tokenizer
 
 
 def tiny_target(arch: str = "llama", attn: str = "sdpa", vocab: int = 96, layers: int = 6, hidden: int = 32,

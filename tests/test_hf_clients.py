@@ -12,8 +12,7 @@ import torch
 from transformers import DynamicCache, pipeline
 
 import dart_hf
-from hf_models import oracle_head, random_head, tiny_target
-from test_stopping import char_tokenizer
+from hf_models import char_tokenizer, oracle_head, random_head, tiny_target
 
 CONTEXTS = ["Q: what is 2+2?\nA:", "hello there", "Q: x\nA: y\n\nQ: z\nA:", "abc", "The cat sat", "Q: 7*6?\nA:",
             "def f(x):", "1, 2, 3,", "Once upon"]
@@ -35,9 +34,7 @@ def requests(contexts, max_gen_toks=24):
 
 @pytest.fixture(scope="module")
 def harness_model():
-    tokenizer = char_tokenizer()
-    tokenizer.eos_token = "<pad>"
-    return tiny_target(), tokenizer
+    return tiny_target(), char_tokenizer()
 
 
 @pytest.mark.parametrize("batch_size", [1, 3, 8])

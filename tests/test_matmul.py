@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dart_core.matmul import few_row_linear, few_row_linears, max_rows
+from dart_core import matmul
+from dart_core.matmul import MAX_ROWS, few_row_linear, few_row_linears
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 7, 10, 11, 40])
@@ -30,15 +31,28 @@ def two_threads():
     torch.set_num_threads(before)
 
 
-def test_few_row_linear_takes_the_transposed_product_only_for_few_rows(two_threads):
+@pytest.mark.parametrize("faster", [True, False])
+def test_few_row_linear_takes_the_product_measured_faster_for_few_rows(two_threads, monkeypatch, faster):
+    asked = []
+    monkeypatch.setattr(matmul, "transposed_is_faster", lambda weight, rows: asked.append(rows) or faster)
     g = torch.Generator().manual_seed(0)
     w = torch.randn(64, 32, generator=g)
-    for rows in (1, 2, max_rows(), max_rows() + 1):
+    for rows in (1, 2, MAX_ROWS, MAX_ROWS + 1):
         x = torch.randn(rows, 32, generator=g)
-        few = 2 <= rows <= max_rows()
-        expected = (w @ x.T).T if few else F.linear(x, w)
+        transposed = faster and 2 <= rows <= MAX_ROWS
+        expected = (w @ x.T).T if transposed else F.linear(x, w)
         assert torch.equal(few_row_linear(x, w, None), expected), rows  # bitwise: this kernel, not the other
-    assert max_rows() == 10
+    assert asked == [2, MAX_ROWS]  # one row and more than MAX_ROWS are F.linear without asking
+
+
+def test_the_measured_choice_is_made_once_per_shape_row_bucket_and_threads(two_threads, monkeypatch):
+    monkeypatch.setattr(matmul, "_FASTER", {})
+    timings = iter([1.0, 0.5, 1.0, 0.95])  # F.linear, W @ x.T: first 2x faster, then only 5% faster
+    monkeypatch.setattr(matmul, "_median_seconds", lambda fn: next(timings))
+    w = torch.randn(8, 4)
+    assert matmul.transposed_is_faster(w, 3) and matmul.transposed_is_faster(w, 4)  # one bucket, measured once
+    assert not matmul.transposed_is_faster(w, 5)  # the next bucket: inside the margin, F.linear stays
+    assert sorted(key[2] for key in matmul._FASTER) == [4, 8]
 
 
 def test_few_row_linears_apply_inside_the_block_only():

@@ -10,7 +10,7 @@ from transformers import EosTokenCriteria, MaxLengthCriteria, StoppingCriteria, 
 
 import dart_hf
 from dart_hf.stopping import Stopper
-from hf_models import oracle_head, random_head, tiny_target
+from hf_models import char_tokenizer, oracle_head, random_head, tiny_target
 from test_hf_batch import PAD, SMALL_TREE, chi_square_pvalue, exact_two_token_distribution, left_padded, \
     lossy_verify, unpadded
 
@@ -187,19 +187,6 @@ def test_a_criterion_reading_scores_gets_plains_scores():
         assert (records[0].calls[-1][1] is None) == (not output_scores)
         if output_scores:
             assert len(records[0].calls[-1][1]) == 16
-
-
-def char_tokenizer():
-    """A 96-token character-level tokenizer (id 0 the pad), which stop strings work with."""
-    import string
-
-    from tokenizers import Tokenizer, decoders, models
-    from transformers import PreTrainedTokenizerFast
-
-    chars = (string.ascii_letters + string.digits + " \n" + string.punctuation)[:95]
-    backend = Tokenizer(models.BPE(vocab={"<pad>": 0, **{c: i + 1 for i, c in enumerate(chars)}}, merges=[]))
-    backend.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", padding_side="left")
 
 
 @pytest.mark.parametrize("eos", [None, "id"])

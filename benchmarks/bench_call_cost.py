@@ -1,0 +1,98 @@
+"""What a DART generate() call costs beside plain generate() for a fixed output length, by prompt length.
+
+    python benchmarks/bench_call_cost.py --json benchmarks/results/call_cost.json
+    python benchmarks/bench_call_cost.py --prompt-tokens 50 --new-tokens 1,4 --repeats 1     # a quick check
+
+SmolLM2-135M-Instruct and the shipped head (tree size: the cached calibration for this machine, else the head's),
+greedy, batch 1. Prompts are GSM8K-style few-shot harness prompts ("Question: ...\\nAnswer: ..." shots from
+../shared/data, then a question) cut to `--prompt-tokens` tokens. For each prompt length and each output length n
+(`min_new_tokens` = `max_new_tokens` = n, so both decode exactly n tokens), plain and DART calls alternate
+`--repeats` times after one warm-up each; the ratio is plain's median wall time over DART's. DART's per-call phases
+(median ms, from `DartStats`): set-up (checks and preparation), prefill (the target on the prompt), first draft (the
+head's pass over the prompt rows and the first tree search), and the rest of the call's wall time (decoding, and
+generate()'s own preparation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import dart_hf
+from results_io import write_results
+
+DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+def harness_prompt(tokenizer, tokens: int) -> torch.Tensor:
+    """[1, tokens] ids: few-shot GSM8K shots then a question, the shots cut from the front to fit."""
+    with open(DATA / "gsm8k_train.jsonl", encoding="utf-8") as fh:
+        rows = [json.loads(line) for line in fh if line.strip()]
+    question = f"Question: {rows[0]['question']}\nAnswer:"
+    shots = "".join(f"Question: {r['question']}\nAnswer: {r['answer']}\n\n" for r in rows[1:40])
+    ids = tokenizer(shots + question, return_tensors="pt").input_ids
+    if ids.shape[1] < tokens:
+        raise ValueError(f"the shots give {ids.shape[1]} tokens, fewer than {tokens}")
+    return ids[:, -tokens:]
+
+
+def timed_call(model, ids, n: int, **kwargs) -> tuple[float, torch.Tensor]:
+    t0 = time.perf_counter()
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                         do_sample=False, **kwargs)
+    return time.perf_counter() - t0, out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", help="write results here")
+    parser.add_argument("--prompt-tokens", default="50,400,1500")
+    parser.add_argument("--new-tokens", default="1,2,4,8,16,32,128")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--remain-total", type=int, help="draft nodes per tree (default: calibrated, else the head's)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    model, tokenizer, head = dart_hf.load_default()
+    if args.remain_total is not None:
+        head.tree_config = dataclasses.replace(head.tree_config, remain_total=args.remain_total)
+    results = {"threads": args.threads, "repeats": args.repeats, "tree": str(head.tree_config), "rows": []}
+    print(f"tree: {head.tree_config}")
+    print("prompt  new  plain ms  dart ms  ratio  setup  prefill  first-draft  decode  identical")
+    for length in (int(x) for x in args.prompt_tokens.split(",")):
+        ids = harness_prompt(tokenizer, length)
+        timed_call(model, ids, 4)  # warm-up
+        timed_call(model, ids, 4, dart_head=head)
+        for n in (int(x) for x in args.new_tokens.split(",")):
+            plain_s, dart_s, phases, identical = [], [], [], True
+            for _ in range(args.repeats):
+                seconds, want = timed_call(model, ids, n)
+                plain_s.append(seconds)
+                seconds, got = timed_call(model, ids, n, dart_head=head)
+                dart_s.append(seconds)
+                identical &= torch.equal(want, got)
+                s = dart_hf.last_stats(model)
+                phases.append((s.setup_time, s.prefill_time, s.first_draft_time,
+                               seconds - s.setup_time - s.prefill_time - s.first_draft_time))
+            plain_ms, dart_ms = 1000 * statistics.median(plain_s), 1000 * statistics.median(dart_s)
+            phase_ms = [1000 * statistics.median(p[i] for p in phases) for i in range(4)]
+            row = {"prompt_tokens": length, "new_tokens": n, "plain_ms": plain_ms, "dart_ms": dart_ms,
+                   "ratio": plain_ms / dart_ms, "setup_ms": phase_ms[0], "prefill_ms": phase_ms[1],
+                   "first_draft_ms": phase_ms[2], "decode_ms": phase_ms[3], "identical": identical}
+            results["rows"].append(row)
+            print(f"{length:6d} {n:4d} {plain_ms:9.1f} {dart_ms:8.1f} {row['ratio']:6.2f} {phase_ms[0]:6.1f} "
+                  f"{phase_ms[1]:8.1f} {phase_ms[2]:12.1f} {phase_ms[3]:7.1f}  {identical}")
+    if args.json:
+        write_results(args.json, results)
+    return 0 if all(r["identical"] for r in results["rows"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
