@@ -45,6 +45,13 @@ def _run_demo(args: argparse.Namespace) -> int:
         raise UsageError("--batch-size and --remain-total must be >= 1")
     if args.prompt is not None and not args.prompt.strip():
         raise UsageError("--prompt is empty; give a question, or leave --prompt out for the built-in one")
+    if args.prompt is not None:
+        try:
+            args.prompt.encode("utf-8")
+        except UnicodeEncodeError:  # argv bytes that are not UTF-8 arrive as lone surrogates
+            raise UsageError("--prompt is not valid UTF-8 text") from None
+    if not 0 <= args.seed < 2 ** 64:
+        raise UsageError(f"--seed must be in 0..2**64-1, got {args.seed}")
     if args.remain_total is not None:
         TreeConfig(remain_total=args.remain_total)  # its bounds, before the model loads
     if args.max_new_tokens < 1 or args.repeats < 1 or (args.threads is not None and args.threads < 1):

@@ -50,12 +50,14 @@ import os
 import platform
 import statistics
 import time
+import warnings
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
 import torch
 
 from dart_core import DartHead, TreeConfig
+from dart_core.errors import DartInputError
 from dart_core.io import atomic_write
 from dart_hf.loop import DartStats, dart_decoding, last_stats
 from dart_hf.target import (first_eos, keep_accepted_path, plan_for, tree_attention_mask,
@@ -109,11 +111,31 @@ class Calibration:
         return out
 
     @classmethod
-    def from_dict(cls, raw: dict) -> "Calibration":
+    def from_dict(cls, raw) -> "Calibration":
+        """The calibration a cache file holds; DartInputError naming what is wrong with it."""
+        if not isinstance(raw, dict):
+            raise DartInputError(f"not a calibration (a JSON {type(raw).__name__}, not an object)")
+        if raw.get("version") != FORMAT_VERSION:
+            raise DartInputError(f"format version {raw.get('version')!r}, not {FORMAT_VERSION}")
         known = {f.name for f in dataclasses.fields(cls)}
+        missing = sorted(f.name for f in dataclasses.fields(cls)
+                         if f.name not in raw and f.default is dataclasses.MISSING
+                         and f.default_factory is dataclasses.MISSING)
+        if missing:
+            raise DartInputError(f"missing {', '.join(missing)}")
         data = {k: v for k, v in raw.items() if k in known}
-        data["verify_ms"] = {int(k): float(v) for k, v in raw["verify_ms"].items()}
-        return cls(**data)
+        try:
+            data["verify_ms"] = {int(k): float(v) for k, v in raw["verify_ms"].items()}
+            result = cls(**data)
+            tree = result.to_tree_config()
+        except (AttributeError, TypeError, ValueError) as err:
+            raise DartInputError(f"malformed field ({type(err).__name__}: {err})") from None
+        if not isinstance(result.identity, dict) or type(result.remain_total) is not int:
+            raise DartInputError("malformed identity or remain_total")
+        if not 1 <= result.remain_total <= max(CANDIDATES + (int(result.max_nodes),)) or \
+                tree.remain_total != result.remain_total:
+            raise DartInputError(f"tree size {result.remain_total} outside the calibrated candidates")
+        return result
 
     def format_table(self) -> str:
         """A plain-text table: the latency grid, then tau, step time and expected speedup per tree size."""
@@ -429,13 +451,22 @@ def calibration_path(model, head: DartHead, ident: Optional[dict] = None) -> Pat
 
 
 def cached_calibration(model, head: DartHead) -> Optional[Calibration]:
-    """The cached calibration for this device, thread count, target and head, or None."""
+    """The cached calibration for this device, thread count, target and head, or None. A cache file that cannot be
+    read as one is ignored with a warning naming it (calibrating again replaces it)."""
     ident = identity(model, head)
     path = calibration_path(model, head, ident)
     try:
-        raw = json.loads(path.read_text())
-        result = Calibration.from_dict(raw)
-    except (OSError, ValueError, KeyError, TypeError):
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as err:
+        warnings.warn(f"ignoring the calibration cache {path}: unreadable ({err})", stacklevel=2)
+        return None
+    try:
+        result = Calibration.from_dict(json.loads(text))
+    except (ValueError, DartInputError) as err:  # json's errors are ValueErrors
+        warnings.warn(f"ignoring the calibration cache {path}: {err}; `dart-spec demo --calibrate` (or "
+                      "dart_hf.calibrate) replaces it", stacklevel=2)
         return None
     return result if result.identity == ident else None
 

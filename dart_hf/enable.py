@@ -3,6 +3,7 @@ every later `generate()` uses."""
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import functools
 import warnings
@@ -67,31 +68,23 @@ class DartGenerationMixin:
                 raise ValueError(f"dart_head cannot be combined with {clash}=")
             return self._plain_generate(f"the call passes {clash}=", inputs, generation_config, kwargs)
         dart_kwargs = dict(kwargs)
-        # generate() drops these on the custom_generate path: hand them to the DART loop ourselves
+        # generate() hands neither of these to a custom_generate callable: the DART loop gets them itself, and
+        # generate() builds stop-string criteria with the call's tokenizer (`_get_stopping_criteria`)
         streamer = dart_kwargs.pop("streamer", None)
-        tokenizer = dart_kwargs.pop("tokenizer", None)
-        stop_strings = dart_kwargs.pop("stop_strings", None)
-        dart_config = generation_config
-        config_stops = getattr(generation_config or self.generation_config, "stop_strings", None)
-        if config_stops:
-            stop_strings = stop_strings or config_stops
-            source = generation_config or self.generation_config
-            dart_config = source.__class__.from_dict({**source.to_dict(), "stop_strings": None})
-        if stop_strings:
-            if tokenizer is None:
-                reason = "stop_strings need the tokenizer: pass tokenizer=... to generate()"
-                if explicit:
-                    raise ValueError(reason)
-                return self._plain_generate(reason, inputs, generation_config, kwargs)
-            dart_kwargs["stopping_criteria"] = _with_stop_strings(dart_kwargs.get("stopping_criteria"),
-                                                                  stop_strings, tokenizer)
+        tokenizer = dart_kwargs.get("tokenizer")
         dart_kwargs["custom_generate"] = options.decoding(streamer, tokenizer)
         try:
-            return super().generate(inputs, dart_config, **dart_kwargs)
+            return contextvars.copy_context().run(_with_tokenizer, tokenizer, super().generate, inputs,
+                                                  generation_config, **dart_kwargs)
         except NotApplicable as err:
             if explicit:
                 raise
             return self._plain_generate(str(err), inputs, generation_config, kwargs)
+
+    def _get_stopping_criteria(self, generation_config, stopping_criteria, tokenizer=None):
+        # a DART call's tokenizer, which generate() drops on its custom_generate path, for stop strings
+        return super()._get_stopping_criteria(generation_config, stopping_criteria,
+                                              tokenizer if tokenizer is not None else _CALL_TOKENIZER.get())
 
     def _plain_generate(self, reason: str, inputs, generation_config, kwargs):
         """The call as plain generate(), after one warning naming `reason` (once per reason and call site)."""
@@ -158,12 +151,13 @@ def _without_capture_hooks(module, memo: dict):
     return clone
 
 
-def _with_stop_strings(criteria, stop_strings, tokenizer):
-    from transformers import StoppingCriteriaList, StopStringCriteria
+_CALL_TOKENIZER: contextvars.ContextVar = contextvars.ContextVar("dart_call_tokenizer", default=None)
 
-    out = StoppingCriteriaList(list(criteria or []))
-    out.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
-    return out
+
+def _with_tokenizer(call_tokenizer, generate, *args, **kwargs):
+    """`generate(*args, **kwargs)` with `call_tokenizer` as the call's (run in a copied context)."""
+    _CALL_TOKENIZER.set(call_tokenizer)
+    return generate(*args, **kwargs)
 
 
 def enable(model, head: Optional[DartHead] = None, *, ngram=None, tree_config: Optional[TreeConfig] = None):

@@ -62,10 +62,10 @@ def resolve_server_args(server_args) -> DartServeSettings:
     if os.path.isdir(cfg.model_path):  # a hub id is resolved later by SGLang; a local target is checked now
         check_fits_target(cfg.speculative_draft_model_path, cfg.model_path)
     unsupported = {
-        "--tp-size > 1": cfg.tp_size > 1,
-        "--pp-size > 1": cfg.pp_size > 1,
+        "--pp-size > 1 (the draft model and the trees live on one pipeline stage)": cfg.pp_size > 1,
         "--page-size > 1": (cfg.page_size or 1) > 1,
-        "--enable-dp-attention": bool(cfg.enable_dp_attention),
+        "--enable-dp-attention (the head's pass runs over one rank's requests, not an attention-DP group's)":
+            bool(cfg.enable_dp_attention),
         "--speculative-use-rejection-sampling (chain sampling; DART verifies trees)":
             bool(cfg.speculative_use_rejection_sampling),
         "--speculative-adaptive": bool(cfg.speculative_adaptive),
@@ -73,6 +73,8 @@ def resolve_server_args(server_args) -> DartServeSettings:
         "--speculative-accept-threshold-single/-acc other than 1 (lossy acceptance)":
             cfg.speculative_accept_threshold_single != 1.0 or cfg.speculative_accept_threshold_acc != 1.0,
         "--disaggregation-mode": (cfg.disaggregation_mode or "null") != "null",
+        "--enable-custom-logit-processor (EAGLE's tree verify does not run custom processors per node)":
+            bool(getattr(cfg, "enable_custom_logit_processor", False)),
         "overlap scheduling (pass --disable-overlap-schedule)":
             not cfg.disable_overlap_schedule and cfg.device != "cpu",
     }
@@ -134,3 +136,14 @@ def req_to_token_headroom(original, *args, **kwargs) -> int:
     from sglang.srt.mem_cache.allocation_sizing import get_alloc_reserve_per_decode
 
     return max(extra, get_alloc_reserve_per_decode() + 4)
+
+
+def reserved_tokens(original, *args, **kwargs) -> int:
+    """Output slots SGLang holds back from every request's context budget. EAGLE reserves max(topk * steps, draft
+    tokens) for its multi-step draft chains; a DART tree's nodes sit at most `--speculative-num-steps` positions
+    past the request's last token, so that is what DART reserves."""
+    if not is_dart():
+        return original(*args, **kwargs)
+    from sglang.srt.runtime_context import get_spec
+
+    return int(get_spec().speculative_num_steps)

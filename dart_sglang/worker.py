@@ -7,17 +7,22 @@ their newly accepted rows packed (written to the draft KV pool), each request's 
 over its own cached rows (padded to the round's longest, `dart_sglang.batching`) -> the next round's candidates.
 Prefill does the same over the prompts' rows. No multi-step draft decode, no draft attention backends, no draft
 CUDA graphs.
+
+Under `--tp-size N` every rank runs this worker: the head's layer is sharded (`models.llama_dart`) and its logits
+gathered, so every rank holds the same candidates; the tree search is deterministic and runs on every rank from
+those identical inputs (no broadcast per round); sampled verification commits rank 0's draws (`verify`).
+`DART_CHECK_TP_TREES=1` compares every round's trees across the ranks.
 """
 
 from __future__ import annotations
 
-from http import HTTPStatus
+import os
 
 import torch
 
 from dart_core import NGramModel, build_draft_trees
 from dart_core.tree import topk_draft_tokens
-from sglang.srt.managers.schedule_batch import FINISH_ABORT
+from sglang.srt.runtime_context import get_parallel
 from sglang.srt.speculative import eagle_worker_v2 as eagle_v2
 from sglang.srt.speculative.eagle_info import EagleDraftInput
 from sglang.srt.speculative.eagle_utils import _eagle_prefill_tail_tokens, default_tree_mask_mode
@@ -30,15 +35,6 @@ from .models.llama_dart import LlamaForCausalLMDart
 from .head_format import SGLANG_ARCHITECTURE
 from .settings import DartServeSettings
 from .tree_abi import encode_eagle_trees
-
-SAMPLING_REFUSED = ("DART: temperature > 0 needs SGLang's tree-sampling verify kernel, which this device ({device}) "
-                    "lacks (SGLang would silently verify greedily); send temperature 0, or serve on CUDA")
-
-
-def tree_sampling_available(device) -> bool:
-    """Whether SGLang's EAGLE verify samples (rather than forcing argmax) on this device: CUDA, not ROCm."""
-    return torch.device(device).type == "cuda" and torch.version.hip is None
-
 
 def recent_tokens(req, length: int) -> list[int]:
     """The last `length` tokens of a request's prompt + output."""
@@ -60,6 +56,18 @@ def draft_contexts(tails: list[list[int]], roots: list[int], length: int) -> tor
     return torch.tensor(rows, dtype=torch.long)
 
 
+CHECK_RANKS_ENV = "DART_CHECK_TP_TREES"  # "1": compare every round's trees across the TP ranks (a debugging aid)
+
+
+def check_same_trees(trees) -> None:
+    """Raise when the TP ranks built different trees this round (they would write different KV entries)."""
+    group = get_parallel().tp_group
+    mine = torch.stack((trees.tokens, trees.parents)).to(torch.long)  # [2, B, N]
+    gathered = group.all_gather(mine[None].contiguous(), dim=0)  # [world, 2, B, N]
+    if not bool((gathered == mine[None]).all()):
+        raise RuntimeError(f"DART: tensor-parallel ranks built different draft trees (rank {group.rank_in_group})")
+
+
 class DartDraftWorker(eagle_v2.EagleDraftWorker):
     """Loads the DART head (`head_format.SGLANG_ARCHITECTURE`) as SGLang's draft model and drafts DART trees."""
 
@@ -71,7 +79,8 @@ class DartDraftWorker(eagle_v2.EagleDraftWorker):
             raise TypeError(f"the DART draft model loaded as {type(model).__name__}, not {SGLANG_ARCHITECTURE}")
         self.ngram = NGramModel.load(self.settings.ngram_path, device=self.device) if self.settings.ngram_path else None
         self.context_length = max(1, self.ngram.order - 1) if self.ngram is not None else 1
-        self.sampling_ok = tree_sampling_available(self.device)
+        # every rank builds the trees itself from identical inputs (module docstring); this checks it each round
+        self.check_ranks = os.environ.get(CHECK_RANKS_ENV) == "1" and get_parallel().tp_group.world_size > 1
 
     # ---- no multi-step draft decode: no draft attention backends, no draft CUDA graphs -------------------------
     def init_attention_backend(self):
@@ -139,11 +148,6 @@ class DartDraftWorker(eagle_v2.EagleDraftWorker):
             raise NotImplementedError("DART does not support multimodal inputs")
         if batch.forward_mode.is_idle():
             return self._draft_input(None, next_token_ids)
-        for req in batch.reqs:
-            if not self.sampling_ok and req.sampling_params.top_k != 1:
-                # finish the request with an error after this prefill (its KV stays consistent for the cache)
-                req.to_finish = FINISH_ABORT(SAMPLING_REFUSED.format(device=self.device), HTTPStatus.BAD_REQUEST,
-                                             "BadRequestError")
         tails = _eagle_prefill_tail_tokens(batch, next_token_ids)  # [B]
         # the prompts' rows, packed back to back as the target computed them: request b has extend_lens[b] rows
         # after its prefix_lens[b] cached ones
@@ -173,6 +177,8 @@ class DartDraftWorker(eagle_v2.EagleDraftWorker):
         tails = [recent_tokens(req, self.context_length) for req in batch.reqs]
         contexts = draft_contexts(tails, roots, self.context_length).to(draft_input.topk_index.device)
         trees = build_draft_trees(draft_input.topk_index, draft_input.topk_p, contexts, self.ngram, s.tree)
+        if self.check_ranks:
+            check_same_trees(trees)
         if trees.num_nodes != s.num_draft_tokens:
             raise RuntimeError(f"DART tree has {trees.num_nodes} nodes, the server was sized for {s.num_draft_tokens}")
         parent_list, top_scores_index, draft_tokens = encode_eagle_trees(trees, s.topk, s.num_levels)

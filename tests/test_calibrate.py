@@ -217,3 +217,23 @@ def test_default_head_dtype(monkeypatch):
         assert default_head_dtype(torch.float32, cpu) == want
         assert default_head_dtype(torch.float16, cpu) == torch.float16  # only beside a float32 target
         assert default_head_dtype(torch.float32, torch.device("cuda")) == torch.float32  # the CPU only
+
+
+@pytest.mark.parametrize("content", ["null", "[]", "17", '{"version": 3}', "{not json",
+                                     "verify_ms", "tree_config", "remain_total"])
+def test_a_bad_cache_entry_is_ignored_with_a_warning_naming_the_file_and_recalibration_replaces_it(
+        cache_root, content):
+    model = dart_hf.enable(tiny_target())
+    head = random_head(model)
+    dart_hf.calibrate(model, None, head, [PROMPT], **SMALL)
+    path = calibrate_module.calibration_path(model, head)
+    if content in ("verify_ms", "tree_config", "remain_total"):  # a valid entry with one field broken
+        raw = json.loads(path.read_text())
+        raw[content] = {"verify_ms": [1, 2], "tree_config": "big", "remain_total": 10 ** 9}[content]
+        content = json.dumps(raw)
+    path.write_text(content)
+    with pytest.warns(UserWarning, match=f"ignoring the calibration cache {path}"):
+        assert cached_calibration(model, head) is None
+    with pytest.warns(UserWarning, match="ignoring the calibration cache"):
+        assert isinstance(tuned_tree_config(model, None, head, [PROMPT], **SMALL), TreeConfig)
+    assert cached_calibration(model, head) is not None  # calibrating again replaced the entry

@@ -408,3 +408,39 @@ def test_a_failed_swap_puts_the_old_directory_back(tmp_path, monkeypatch):
         with io.staged_directory(dest, force=True) as tmp:
             (tmp_path / tmp / "f").write_text("new")
     assert (dest / "f").read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+# ---- plain generate()'s behaviour where DART used to raise ------------------------------------------------------
+def test_a_float_attention_mask_is_taken_as_plain_generate_takes_it():
+    model = dart_hf.enable(tiny_target())
+    ids = torch.tensor([[0, 0, 5, 6, 7], [1, 2, 3, 4, 5]])
+    mask = torch.tensor([[0.0, 0.0, 1.0, 1.0, 1.0], [1.0] * 5])
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(ids, dart_head=random_head(model), **kwargs), model.generate(ids, **kwargs))
+
+
+def test_stop_strings_in_the_models_generation_config_with_a_tokenizer():
+    from hf_models import char_tokenizer
+
+    model = dart_hf.enable(tiny_target())
+    tokenizer = char_tokenizer()
+    prompt = torch.tensor([[5, 17, 33, 2, 9, 41, 12]])
+    free = model.generate(prompt, max_new_tokens=16, do_sample=False)
+    model.generation_config.stop_strings = [tokenizer.decode(free[0, 10:12])]
+    plain = model.generate(prompt, max_new_tokens=16, do_sample=False, tokenizer=tokenizer)
+    assert plain.shape[1] < free.shape[1]
+    out = model.generate(prompt, max_new_tokens=16, do_sample=False, tokenizer=tokenizer, dart_head=random_head(model))
+    assert torch.equal(out, plain)
+
+
+def test_inputs_embeds_are_named_as_unsupported():
+    model = dart_hf.enable(tiny_target())
+    embeds = model.get_input_embeddings()(torch.tensor([[5, 17, 33]]))
+    with pytest.raises(DartInputError, match="inputs_embeds is not supported"):
+        model.generate(inputs_embeds=embeds, max_new_tokens=4, dart_head=random_head(model))
+
+
+def test_demo_refuses_a_prompt_that_is_not_utf8_and_a_seed_beyond_64_bits(capsys):
+    bad = b"caf\xe9".decode("utf-8", "surrogateescape")  # what Python makes of such argv bytes
+    one_line_error(["demo", "--prompt", bad], capsys, "not valid UTF-8")
+    one_line_error(["demo", "--core", "--seed", str(2 ** 70)], capsys, "--seed must be in")

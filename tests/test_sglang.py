@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from sglang_env import import_sglang, set_tree, write_models
+from sglang_env import EOS, import_sglang, set_tree, write_models
 
 import_sglang()
 
@@ -63,7 +63,7 @@ def test_settings_from_a_converted_directory(tmp_path):
     _, head_dir = write_models(tmp_path, draft_length=3, tree={"topk": 4, "beam_width": 4, "remain_total": 8})
     s = DartServeSettings.from_draft_dir(head_dir)
     assert (s.draft_length, s.num_levels, s.topk, s.num_draft_tokens) == (3, 4, 4, 9)
-    assert s.tree.eos_token_id == 2 and s.ngram_path is None
+    assert s.tree.eos_token_id == EOS and s.ngram_path is None
 
     config = json.loads((tmp_path / "head-sglang" / "config.json").read_text())
     config["dart_config"]["ngram_file"] = "missing.safetensors"
@@ -268,8 +268,11 @@ def test_server_args_come_from_the_head(tmp_path):
         resolve(*_args(target, head, "--speculative-num-steps", "3"))
     with pytest.raises(ValueError, match="accept-threshold"):
         resolve(*_args(target, head, "--speculative-accept-threshold-single", "0.5"))
-    with pytest.raises(ValueError, match="tp-size"):
-        resolve(*_args(target, head, "--tp-size", "2"))
+    assert resolve(*_args(target, head, "--tp-size", "2")).tp_size == 2  # served (tests/test_sglang_tp.py)
+    with pytest.raises(ValueError, match="pp-size"):
+        resolve(*_args(target, head, "--pp-size", "2"))
+    with pytest.raises(ValueError, match="enable-custom-logit-processor"):
+        resolve(*_args(target, head, "--enable-custom-logit-processor"))
     with pytest.raises(ValueError, match="page-size"):
         resolve(*_args(target, head, "--page-size", "4"))
     with pytest.raises(ValueError, match="rejection-sampling"):
@@ -333,13 +336,16 @@ def test_kv_sizing_hooks(monkeypatch):
     import sglang.srt.mem_cache.allocation_sizing as sizing
     import sglang.srt.runtime_context as rc
 
-    from dart_sglang.spec import decode_alloc_len, req_to_token_headroom
+    from dart_sglang.spec import decode_alloc_len, req_to_token_headroom, reserved_tokens
 
     monkeypatch.setattr(rc, "max_speculative_num_draft_tokens", lambda: 61)
     monkeypatch.setattr(sizing, "get_alloc_reserve_per_decode", lambda: 122)
     eagle = lambda: 175  # noqa: E731  max(steps * topk, tokens) with topk 25, 7 steps
-    monkeypatch.setattr(rc, "get_spec", lambda: SimpleNamespace(speculative_algorithm="DART"))
+    monkeypatch.setattr(rc, "get_spec", lambda: SimpleNamespace(speculative_algorithm="DART",
+                                                                 speculative_num_steps=7))
     assert decode_alloc_len(eagle) == 61
     assert req_to_token_headroom(lambda: 65) == 126
+    assert reserved_tokens(eagle) == 7  # the tree's depth, not EAGLE's 175
     monkeypatch.setattr(rc, "get_spec", lambda: SimpleNamespace(speculative_algorithm="EAGLE3"))
     assert decode_alloc_len(eagle) == 175 and req_to_token_headroom(lambda: 65) == 65
+    assert reserved_tokens(eagle) == 175

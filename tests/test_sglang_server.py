@@ -1,16 +1,17 @@
-"""End to end: real SGLang servers on this CPU with `--speculative-algorithm DART` (tiny random target, tiny heads)
-against the same server without speculation and against HF greedy. Marked slow (a few minutes)."""
+"""End to end: real SGLang servers on this CPU with `--speculative-algorithm DART` (tiny random target with a
+character-level tokenizer, tiny heads) against the same server without speculation and against HF greedy, through
+/generate and the `openai` client. Marked slow (a few minutes: two servers for the module, one more for the accept
+test)."""
 
 from __future__ import annotations
 
 import json
-from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
-from sglang_env import Server, import_sglang, set_tree, write_models
+from sglang_env import EOS, Server, accepting_head, import_sglang, write_models
 
 import_sglang()
 
@@ -20,27 +21,20 @@ PROMPT_IDS = [[5, 6, 7, 8, 9, 10], [12, 40, 41, 3], [70, 71, 72, 73, 74, 75, 76,
 TEXT_PROMPTS = ["hello world w3 w4", "user w10 w11 w12 w13 w14"]
 NEW_TOKENS = 16
 TREE = {"topk": 4, "beam_width": 4, "remain_total": 8}
+CONTEXT = 512  # the tiny target's max_position_embeddings
 
 
 def hf_greedy(model, ids, new_tokens, stop_at_eos=True):
-    eos = 2 if stop_at_eos else None
-    out = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=eos,
-                         pad_token_id=0)
+    out = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False,
+                         eos_token_id=EOS if stop_at_eos else None, pad_token_id=0)
     return out[0, len(ids):].tolist()
 
 
-def generate(server, ids, ignore_eos=False, **sampling):
+def generate(server, ids, ignore_eos=False, expect=200, **sampling):
     status, body = server.post("/generate", {"input_ids": ids, "sampling_params": {
         "temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": ignore_eos, **sampling}})
-    assert status == 200, body
+    assert status == expect, body
     return body
-
-
-def complete(server, prompt):
-    status, body = server.post("/v1/completions", {"model": "default", "prompt": prompt, "max_tokens": NEW_TOKENS,
-                                                    "temperature": 0})
-    assert status == 200, body
-    return body["choices"][0]["text"]
 
 
 @pytest.fixture(scope="module")
@@ -58,66 +52,138 @@ def hf_target(models):
 
 
 @pytest.fixture(scope="module")
-def plain_outputs(models):
-    root, target, _ = models
-    server = Server(target, None, str(root / "plain.log"))
-    try:
-        return {"ids": [generate(server, ids)["output_ids"] for ids in PROMPT_IDS],
-                "text": [complete(server, p) for p in TEXT_PROMPTS]}
-    finally:
-        server.close()
-
-
-def test_dart_server_is_lossless_and_batches(models, plain_outputs, hf_target):
+def servers(models):
+    """(plain, dart): the same target without and with DART, started side by side, for the whole module."""
     root, target, head = models
     logits_log = root / "head-logits.jsonl"
-    server = Server(target, head, str(root / "dart.log"), env={"DART_TEST_LOGITS_LOG": str(logits_log)})
-    try:
-        sequential = [generate(server, ids)["output_ids"] for ids in PROMPT_IDS]
-        texts = [complete(server, p) for p in TEXT_PROMPTS]
-        with ThreadPoolExecutor(len(PROMPT_IDS)) as pool:
-            concurrent = list(pool.map(lambda ids: generate(server, ids)["output_ids"], PROMPT_IDS))
-        status, refused = server.post("/generate", {"input_ids": PROMPT_IDS[0], "sampling_params": {
-            "temperature": 1.0, "max_new_tokens": 4}})
-        still_serving = generate(server, PROMPT_IDS[1])["output_ids"]
-    finally:
+    with ThreadPoolExecutor(2) as pool:
+        plain = pool.submit(Server, target, None, str(root / "plain.log"))
+        dart = pool.submit(Server, target, head, str(root / "dart.log"), {"DART_TEST_LOGITS_LOG": str(logits_log)})
+        started = []
+        try:
+            for future in (plain, dart):
+                started.append(future.result())
+        except Exception:
+            for server in started:
+                server.close()
+            raise
+    yield started[0], started[1]
+    for server in started:
         server.close()
+
+
+def both(servers, call):
+    plain, dart = servers
+    return call(plain), call(dart)
+
+
+def test_dart_server_is_lossless_and_batches(models, servers, hf_target):
+    root, _, _ = models
+    plain, dart = servers
+    want = [generate(plain, ids)["output_ids"] for ids in PROMPT_IDS]
+    sequential = [generate(dart, ids)["output_ids"] for ids in PROMPT_IDS]
+    with ThreadPoolExecutor(len(PROMPT_IDS)) as pool:
+        concurrent = list(pool.map(lambda ids: generate(dart, ids)["output_ids"], PROMPT_IDS))
     # lossless: the same tokens as the server without speculation and as HF greedy
-    assert sequential == plain_outputs["ids"]
+    assert sequential == want
     assert sequential == [hf_greedy(hf_target, ids, NEW_TOKENS) for ids in PROMPT_IDS]
-    assert texts == plain_outputs["text"] and all(texts)
     # continuous batching: 4 requests in flight give the sequential outputs
     assert concurrent == sequential
-    # temperature > 0 cannot be verified losslessly here: a clear refusal, never silent greedy
-    assert "tree-sampling" in json.dumps(refused), (status, refused)
-    assert still_serving == sequential[1]
     # the served head computes what dart_core.DartHead computes on the same rows
-    checks = [json.loads(line) for line in logits_log.read_text().splitlines()]
+    checks = [json.loads(line) for line in (root / "head-logits.jsonl").read_text().splitlines()]
     assert len(checks) >= len(PROMPT_IDS) * 3
     assert max(c["max_abs_diff"] for c in checks) < 1e-4
     assert max(c["rows"] for c in checks) > max(map(len, PROMPT_IDS))  # decode rounds were checked too
 
 
-def test_a_head_that_drafts_right_gets_drafts_accepted(models, hf_target, tmp_path):
-    from dart_sglang.head_format import convert_sglang
-    from hf_models import random_head
+@pytest.mark.parametrize("penalties", [
+    dict(frequency_penalty=1.0, presence_penalty=1.0),
+    dict(repetition_penalty=1.5, min_new_tokens=12),
+])
+def test_penalties_give_the_plain_servers_output(servers, penalties):
+    prompts = PROMPT_IDS[:2]
+    plain, dart = both(servers, lambda s: [generate(s, ids, **penalties)["output_ids"] for ids in prompts])
+    assert dart == plain
+    unpenalised = generate(servers[0], prompts[0])["output_ids"]
+    assert unpenalised != plain[0]  # control: the penalties change the output, so equality says something
 
+
+def test_the_openai_client_gets_the_plain_servers_text(servers):
+    def requests(server):
+        client = server.openai()
+        texts = [client.completions.create(model="default", prompt=p, max_tokens=NEW_TOKENS, temperature=0)
+                 .choices[0].text for p in TEXT_PROMPTS]
+        chat = client.chat.completions.create(model="default", messages=[{"role": "user", "content": "hi w1"}],
+                                              max_tokens=NEW_TOKENS, temperature=0).choices[0].message.content
+        stream = client.chat.completions.create(model="default", messages=[{"role": "user", "content": "hi w1"}],
+                                                max_tokens=NEW_TOKENS, temperature=0, stream=True)
+        streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+        return texts, chat, streamed
+
+    plain, dart = both(servers, requests)
+    assert dart == plain and all(plain[0]) and plain[2] == plain[1]
+
+
+def test_sampling_is_served_on_this_cpu(servers):
+    # SGLang's default temperature is 1.0: a client that sends none samples
+    _, dart = servers
+    client = dart.openai()
+    out = client.completions.create(model="default", prompt=TEXT_PROMPTS[0], max_tokens=NEW_TOKENS, n=2,
+                                    temperature=0.8, top_p=0.9)
+    assert len(out.choices) == 2 and out.usage.completion_tokens <= 2 * NEW_TOKENS
+    assert all(c.finish_reason in ("length", "stop") for c in out.choices)
+    stream = client.chat.completions.create(model="default", messages=[{"role": "user", "content": "hi w1"}],
+                                            max_tokens=NEW_TOKENS, stream=True)
+    chunks = [c for c in stream if c.choices]
+    assert chunks and chunks[-1].choices[0].finish_reason in ("length", "stop")
+    body = generate(dart, PROMPT_IDS[0], ignore_eos=True, temperature=1.0, top_k=5, min_p=0.05)
+    assert len(body["output_ids"]) == NEW_TOKENS and body["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_context_limits_are_the_plain_servers_up_to_the_tree_depth(servers):
+    from dart_sglang.settings import DartServeSettings
+    from dart_core import TreeConfig
+
+    plain, dart = servers
+    reserve = DartServeSettings.for_tree(TreeConfig(**TREE), 4).num_levels  # positions a tree reaches past the end
+    new = 8
+    for server, limit in ((plain, CONTEXT), (dart, CONTEXT - reserve)):
+        fits = [3 + i % 80 for i in range(limit - new)]  # token ids inside the vocabulary
+        body = generate(server, fits, ignore_eos=True, max_new_tokens=new)
+        assert len(body["output_ids"]) == new
+        refused = generate(server, fits + [3], ignore_eos=True, max_new_tokens=new, expect=400)
+        assert "longer than" in json.dumps(refused) or "context" in json.dumps(refused), refused
+    import openai
+
+    with pytest.raises(openai.BadRequestError):  # streamed: refused before any token, not mid-stream
+        stream = dart.openai().completions.create(model="default", prompt=fits + [3], max_tokens=new,
+                                                  temperature=0, stream=True)
+        next(iter(stream))
+
+
+def test_constrained_decoding_with_a_json_schema_and_a_regex(servers):
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["name", "n"], "additionalProperties": False}
+    asks = [dict(json_schema=json.dumps(schema)), dict(regex=r"[a-z]{3}-[0-9]{2}")]
+
+    def run(server):
+        return [generate(server, PROMPT_IDS[0], max_new_tokens=64, **ask)["text"] for ask in asks]
+
+    plain, dart = both(servers, run)
+    assert dart == plain
+    jsonschema.validate(json.loads(dart[0]), schema)
+    assert len(dart[1]) == 6 and dart[1][3] == "-"
+
+
+def test_a_head_that_drafts_right_gets_drafts_accepted(models, hf_target, tmp_path):
     _, target_dir, _ = models
     prompt = PROMPT_IDS[0]
     reference = hf_greedy(hf_target, prompt, 24, stop_at_eos=False)
-    common = [t for t, _ in Counter(reference).most_common(2)]
-    assert sum(reference.count(t) for t in common) >= len(reference) // 2, reference
-    # a 2-token draft vocabulary of the target's two most frequent continuation tokens: every level drafts both
-    head = random_head(hf_target, draft_length=3, draft_vocab=2)
-    with torch.no_grad():
-        head.d2t.copy_(torch.tensor([common[0], common[1] - 1]))
-        head.t2d.zero_()
-        head.t2d[common] = True
-    head.set_input_embeddings(hf_target.get_input_embeddings())
-    head.save_pretrained(tmp_path / "crafted")
-    convert_sglang(tmp_path / "crafted", tmp_path / "crafted-sglang", target=target_dir, progress=False)
-    set_tree(str(tmp_path / "crafted-sglang"), topk=2, beam_width=4, remain_total=14)
-    server = Server(target_dir, str(tmp_path / "crafted-sglang"), str(tmp_path / "crafted.log"))
+    head = accepting_head(target_dir, hf_target, reference, tmp_path)
+    server = Server(target_dir, head, str(tmp_path / "crafted.log"))
     try:
         body = generate(server, prompt, ignore_eos=True, max_new_tokens=24)
     finally:

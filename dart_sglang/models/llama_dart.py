@@ -1,7 +1,9 @@
 """`LlamaForCausalLMDart`: SGLang's EAGLE3 draft layer plus DART's `mask_rep` (docs/DESIGN.md §2.2).
 
 SGLang loads it as the draft model of `--speculative-algorithm DART` (weights, TP-aware linear layers, the target's
-shared embedding, `d2t` -> `hot_token_id`). The DART worker drives it through `real_rows` / `draft_logits`, not
+shared embedding, `d2t` -> `hot_token_id`). Under `--tp-size N` the layer is sharded as SGLang's EAGLE3 draft layer
+is (attention heads and MLP split over the ranks, their outputs all-reduced; the lm_head's rows split and gathered
+in `vocab_logits`), so every rank computes the same logits as `dart_core.DartHead`. The DART worker drives it through `real_rows` / `draft_logits`, not
 through SGLang's attention backends: a real row's keys/values depend on that row alone, so they are written to
 SGLang's draft KV pool at the row's token slot (radix-cache sharing keeps working), and the query blocks of all
 requests of a round (each: last real row + D mask rows) attend over them in one plain torch attention call
@@ -16,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sglang.srt.distributed.communication_op import tensor_model_parallel_all_gather
+from sglang.srt.distributed.parallel_state import get_tensor_model_parallel_world_size
 from sglang.srt.models.llama_eagle3 import LlamaForCausalLMEagle3
 
 from dart_sglang.batching import block_attention, block_positions
@@ -97,8 +101,16 @@ class LlamaForCausalLMDart(LlamaForCausalLMEagle3):
         h = h + layer.mlp(layer.post_attention_layernorm(h))
         # the reference applies the final norm in forward and again in compute_logits
         h = self.model.norm(self.model.norm(h))
-        # SGLang pads the lm_head rows to a multiple of 64: keep the draft vocabulary only
-        return F.linear(h, self.lm_head.weight[: self.config.draft_vocab_size]).reshape(b, d + 1, -1)
+        return self.vocab_logits(h).reshape(b, d + 1, -1)
+
+    def vocab_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """h [T, H] -> draft-vocab logits [T, Vd]. Under tensor parallelism each rank holds a slice of the lm_head's
+        rows (SGLang's vocab-parallel layout, padded to a multiple of 64): the slices are gathered, so every rank
+        has the same whole logits; the padding is dropped."""
+        logits = F.linear(h, self.lm_head.weight)
+        if get_tensor_model_parallel_world_size() > 1:
+            logits = tensor_model_parallel_all_gather(logits, dim=-1)
+        return logits[:, : self.config.draft_vocab_size]
 
 
 EntryClass = [LlamaForCausalLMDart]

@@ -23,9 +23,10 @@ def apply() -> None:
 def _record_head_logits(log_file: str) -> None:
     """Wrap the DART worker so every request of every head pass is recomputed with `dart_core.DartHead` (stateless,
     from that request's rows written so far) and appended to `log_file` as one JSON line: the largest logit
-    difference, the request's rows, the pass's batch size, and how many head passes (row writes, attention
-    passes) its round made."""
+    difference, the request's rows, the pass's batch size, the process's rank (tensor parallelism: one line per rank),
+    and how many head passes (row writes, attention passes) its round made."""
     import json
+    import os
 
     import torch
 
@@ -47,8 +48,11 @@ def _record_head_logits(log_file: str) -> None:
         logits = level_logits(self, x_last, res_last, lengths, pool_indices)
         if "_test_head" not in self.__dict__:
             head = DartHead.from_pretrained(self.server_args.speculative_draft_model_path, load_ngram=False).float()
-            # SGLang pads the embedding table to a multiple of 64 rows
-            embed = self.draft_runner.model.model.embed_tokens.weight.detach().float().cpu()[: head.config.vocab_size]
+            # the target's whole table (under tensor parallelism a rank holds a slice of it)
+            from safetensors import safe_open
+
+            with safe_open(os.path.join(self.server_args.model_path, "model.safetensors"), framework="pt") as fh:
+                embed = fh.get_tensor("model.embed_tokens.weight").float()
             head.set_input_embeddings(torch.nn.Embedding.from_pretrained(embed))
             self._test_head = head
         record = self.__dict__.setdefault("_test_round", {})
@@ -62,8 +66,9 @@ def _record_head_logits(log_file: str) -> None:
                 expected = self._test_head(aux, ids)[0]
             diff = float((logits[b].float().cpu() - expected).abs().max())
             same_top = bool(torch.equal(logits[b].float().cpu().argmax(-1), expected.argmax(-1)))
+            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
             record.setdefault("lines", []).append({"rows": length, "max_abs_diff": diff, "same_argmax": same_top,
-                                                   "batch": batch})
+                                                   "batch": batch, "rank": rank})
         return logits
 
     def counting(kind, extend):
