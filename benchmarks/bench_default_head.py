@@ -34,6 +34,7 @@ import torch
 
 import dart_hf
 from dart_core.matmul import few_row_linears
+from dart_hf.target import tree_settings
 from kernel_control import one_row_as_two
 from results_io import write_results
 
@@ -72,7 +73,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     model, tokenizer, head = dart_hf.load_default(args.head)
     if args.remain_total is not None:
-        head.tree_config = dataclasses.replace(head.tree_config or head.default_tree_config(tokenizer.eos_token_id),
+        head.tree_config = dataclasses.replace(tree_settings(head, model.generation_config),
                                                remain_total=args.remain_total)
     dart_hf.enable(model)
     other_head = None

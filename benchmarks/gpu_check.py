@@ -67,6 +67,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from results_io import write_results  # noqa: E402
 
+from dart_core.sync import synchronize  # noqa: E402
+from dart_hf.loop import tau_of  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_PROMPT_FILE = REPO.parent / "shared" / "data" / "mt_bench_questions.jsonl"
 PHASES = ("head", "tree", "mask", "target", "accept", "compact", "verify")
@@ -115,10 +118,7 @@ def encode(tokenizer, text: str, device: torch.device) -> torch.Tensor:
 
 # ---- timing -------------------------------------------------------------------------------------------------------
 def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type != "cpu" and hasattr(torch, "accelerator"):
-        torch.accelerator.synchronize(device)
+    synchronize(device)
 
 
 def timed_generate(model, ids: torch.Tensor, max_new_tokens: int, **kwargs) -> tuple[torch.Tensor, float]:
@@ -225,7 +225,7 @@ def dart_summary(rows: list[dict], unsynced_rows: list[dict], plain: dict, tree_
            "prompts": len(rows), "identical": identical, "identity": identical == len(rows),
            "new_tokens": new, "wall_s": wall, "tokens_per_s": tokens_per_s,
            "speedup": tokens_per_s / plain["tokens_per_s"] if plain["tokens_per_s"] else 0.0,
-           "steps": steps, "tau": (sum(r["accepted"] for r in rows) + steps) / steps if steps else 0.0,
+           "steps": steps, "tau": tau_of(sum(r["accepted"] for r in rows), steps),
            "prefill_ms": prefill * 1e3 / len(rows) if rows else 0.0, "step_ms": step_ms,
            "phases_ms_per_step": per_step,
            "overhead_ms_per_step": step_ms - plain["step_ms"],
@@ -256,6 +256,8 @@ def runs_of(args) -> list[tuple[str, tuple[int, bool]]]:
 def run_dtype(dtype_name: str, args, prompts: list[str], progress: Progress, result: dict, save) -> None:
     """Plain and every DART setting, prompt by prompt (so that a device's warm-up or a slow spell hits them alike),
     then the unsynced reruns; summaries rewritten after every prompt."""
+    from dart_hf.target import tree_settings
+
     device = torch.device(args.device)
     dtype = getattr(torch, dtype_name)
     entry = result["dtypes"].setdefault(dtype_name, {"trees": {}, "skipped": []})
@@ -265,7 +267,7 @@ def run_dtype(dtype_name: str, args, prompts: list[str], progress: Progress, res
         return
     progress(f"{dtype_name}: loading on {device}")
     model, tokenizer, head = load(device, dtype)
-    base = head.tree_config or head.default_tree_config(tokenizer.eos_token_id)
+    base = tree_settings(head, model.generation_config)
     configs = {label: (dataclasses.replace(base, remain_total=n), graph) for label, (n, graph) in runs_of(args)}
     entry["tree_config"] = base.to_dict()
     encoded = [encode(tokenizer, text, device) for text in prompts]

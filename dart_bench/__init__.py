@@ -29,6 +29,7 @@ method. Per (temperature, prompt set, method) the summary gives:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import random
 import statistics
@@ -39,6 +40,7 @@ from typing import Optional, Sequence
 import torch
 
 from dart_core import TreeConfig
+from dart_core.sync import synchronize
 from dart_core.errors import DartInputError
 
 METHODS = ("plain", "prompt_lookup", "dart_tree", "dart_chain", "eagle3")
@@ -94,7 +96,7 @@ class TargetMeter:
         self.times: list[float] = []
         self._start = 0.0
         device = next(model.parameters()).device
-        self._sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+        self._sync = functools.partial(synchronize, device)
         self._handles = [model.register_forward_pre_hook(self._before), model.register_forward_hook(self._after)]
 
     def _before(self, module, args) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from dart_bench import METHODS, PROMPT_SETS
 from dart_cli.errors import UsageError
+from dart_cli.threads import set_threads
 
 
 def add_bench(sub) -> None:
@@ -43,8 +44,9 @@ def add_bench(sub) -> None:
 
 
 def _run_bench(args: argparse.Namespace) -> int:
-    if args.per_set < 1 or args.repeats < 1 or args.max_new_tokens < 1 or args.threads < 1:
-        raise UsageError("--per-set, --repeats, --max-new-tokens and --threads must be >= 1")
+    if args.per_set < 1 or args.repeats < 1 or args.max_new_tokens < 1:
+        raise UsageError("--per-set, --repeats and --max-new-tokens must be >= 1")
+    set_threads(args.threads)
     chosen = args.methods or [m for m in METHODS if m != "eagle3" or args.eagle3]
     methods = ["plain"] + [m for m in chosen if m != "plain"]
     if "eagle3" in methods and not args.eagle3:
@@ -65,7 +67,6 @@ def _run_bench(args: argparse.Namespace) -> int:
     from dart_hf.calibration import device_name
     from dart_hf.target import plan_for
 
-    torch.set_num_threads(args.threads)
     prompt_sets = load_prompt_sets(args.data, args.per_set, args.sets)
     config = BenchConfig(methods=tuple(methods), temperatures=tuple(args.temperatures), repeats=args.repeats,
                          max_new_tokens=args.max_new_tokens, seed=args.seed)

@@ -12,7 +12,7 @@ import torch
 
 from dart_core import DartConfig, DartHead, NGramModel, TreeConfig, build_draft_trees, topk_draft_tokens, verify_greedy
 
-# A small head shape; the weights are random (seeded) because no trained head ships yet.
+# A small head shape with random (seeded) weights: the core pipeline runs without a model or a trained head.
 DEMO_CONFIG = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                    vocab_size=512, draft_vocab_size=256, draft_length=8, target_hidden_size=48)
 

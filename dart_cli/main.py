@@ -12,6 +12,7 @@ from dart_core.errors import DartInputError
 from dart_cli.bench import add_bench
 from dart_cli.convert import add_convert
 from dart_cli.errors import UsageError
+from dart_cli.threads import set_threads
 from dart_cli.serve import add_serve
 from dart_cli.train import add_distill, add_ngram, add_train
 
@@ -56,10 +57,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         TreeConfig(remain_total=args.remain_total)  # its bounds, before the model loads
     if args.max_new_tokens < 1 or args.repeats < 1 or (args.threads is not None and args.threads < 1):
         raise UsageError("--max-new-tokens, --repeats and --threads must be >= 1")
-    if args.threads is not None:
-        import torch
-
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     if args.core:
         core_demo(seed=args.seed, batch_size=args.batch_size, remain_total=args.remain_total or 60)
         return 0

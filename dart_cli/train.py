@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from dart_cli.errors import UsageError
+from dart_cli.threads import set_threads
 from dart_core.errors import DartInputError
 
 
@@ -65,7 +66,7 @@ def _run_distill(args: argparse.Namespace) -> int:
     from dart_train.data import distill, write_text_shards
     from dart_train.trainer import load_target, resolve_device
 
-    _threads(args.threads)
+    set_threads(args.threads)
     device = resolve_device(args.device)
     for name in ("batch_size", "max_new_tokens"):
         if getattr(args, name) < 1:
@@ -189,7 +190,7 @@ def add_train(sub) -> None:
 def _run_train(args: argparse.Namespace) -> int:
     from dart_train.trainer import TrainConfig, TrainingDiverged, train
 
-    _threads(args.threads)
+    set_threads(args.threads)
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
     cfg.validate()  # before loading the target: bad input fails fast
@@ -270,15 +271,6 @@ def _run_ngram_build(args: argparse.Namespace) -> int:
     print(f"wrote {args.out}: order {ngram.order}, {ngram.num_nodes:,} nodes from {len(sequences):,} sequences "
           f"({tokens:,} tokens)")
     return 0
-
-
-def _threads(n) -> None:
-    if n is not None:
-        if n < 1:
-            raise UsageError("--threads must be >= 1")
-        import torch
-
-        torch.set_num_threads(n)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -7,11 +7,12 @@ from dart_core.config import DartConfig, TreeConfig, default_target_layer_ids
 from dart_core.eagle3 import Eagle3Head
 from dart_core.errors import DartInputError
 from dart_core.head import DartHead, DartHeadCache
-from dart_core.ngram import NGramModel
+from dart_core.ngram import NGramModel, draft_context_length
 from dart_core.tree import DraftTree, DraftTreeBatch, build_draft_tree, build_draft_trees, topk_draft_tokens
 from dart_core.verify import VerifyResult, verify_greedy, verify_tree
 
 __all__ = [
+    "draft_context_length",
     "DartConfig",
     "DartHead",
     "DartHeadCache",

@@ -322,9 +322,7 @@ class DartHead(nn.Module):
         dtype = self.fc.weight.dtype
         layer = self.midlayer
 
-        s = self.fc(aux_hidden.to(dtype))  # [B, T, H]
-        e = self._embed(shifted_ids).to(dtype)  # [B, T, H]
-        x = torch.cat((layer.input_layernorm(e), layer.hidden_norm(s)), dim=-1)  # [B, T, 2H]
+        x, s = self.row_inputs(aux_hidden, shifted_ids)  # [B, T, 2H], [B, T, H]
         residual = s
         if d:
             mask_rows = layer.mask_rep.to(dtype).expand(b, d, -1)
@@ -342,12 +340,21 @@ class DartHead(nn.Module):
         mask = step_attention_mask(past, lengths, span, t, d, dtype)  # [B, 1, T+D, span+T+D]
         return residual + layer.self_attn.attend(q, keys, values, mask), k, v
 
+    def row_inputs(self, aux_hidden: torch.Tensor, shifted_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's input of real rows: aux_hidden [B, T, 3*Ht], shifted_ids [B, T] -> (x = cat(input_layernorm(
+        embed(id)), hidden_norm(fc(aux))) [B, T, 2H], the residual fc(aux) [B, T, H]), in the head's dtype."""
+        layer = self.midlayer
+        dtype = self.fc.weight.dtype
+        s = self.fc(aux_hidden.to(dtype))  # [B, T, H]
+        e = self._embed(shifted_ids).to(dtype)  # [B, T, H]
+        return torch.cat((layer.input_layernorm(e), layer.hidden_norm(s)), dim=-1), s
+
     def _require_embeddings(self) -> None:
         if self._embed is None:
             raise RuntimeError(f"{type(self).__name__} has no input embeddings: call head.set_input_embeddings("
                                "target.get_input_embeddings()) first")
 
-    def _check_inputs(self, aux, ids, cache, lengths) -> tuple[int, int]:
+    def _check_inputs(self, aux, ids, cache, lengths) -> None:
         cfg = self.config
         self._require_embeddings()
         if aux.dim() != 3 or aux.shape[-1] != 3 * cfg.target_hidden_size:
@@ -369,7 +376,6 @@ class DartHead(nn.Module):
             raise ValueError(f"cache holds {cache.batch_size} rows but the inputs have batch size {b}")
         if lengths is not None and (lengths.shape != (b,) or bool((lengths < 1).any()) or bool((lengths > t).any())):
             raise ValueError(f"lengths must be [B]={b} values in 1..T={t}, got {lengths.tolist()}")
-        return b, t
 
     # ---- the drafter interface: what decoding, calibration and training call ---------------------------------
     # (a drafter with other mechanics, `dart_core.eagle3.Eagle3Head`, overrides these and `max_batch_size`)
@@ -426,9 +432,7 @@ class DartHead(nn.Module):
         dtype = self.fc.weight.dtype
         layer = self.midlayer
 
-        s = self.fc(aux.to(dtype))  # [B, N, H]
-        e = self.get_input_embeddings()(shifted_ids).to(dtype)  # [B, N, H]
-        x_real = torch.cat((layer.input_layernorm(e), layer.hidden_norm(s)), dim=-1)  # [B, N, 2H]
+        x_real, s = self.row_inputs(aux, shifted_ids)  # [B, N, 2H], [B, N, H]
         mask_rows = layer.mask_rep.to(dtype).expand(b, a * d, 2 * h_size)
         x = torch.cat((x_real, mask_rows), dim=1)  # [B, S, 2H]
         residual = torch.cat((s, mask_rows[..., :h_size]), dim=1)  # [B, S, H]

@@ -552,3 +552,9 @@ def _query_packer(width: int, m: int, base: int, device) -> tuple[torch.Tensor, 
         bias[col + 1: col + 1 + m] = ctx_bias * base + 1
         matrix[width + torch.arange(m), col + 1 + torch.arange(m)] = 1
     return bias.to(device), matrix.to(device)
+
+
+def draft_context_length(ngram: Optional["NGramModel"]) -> int:
+    """Tokens of context the tree search reads per sequence (the last C tokens, ending with the root): the n-gram's
+    search state width, 1 without an n-gram."""
+    return ngram.state_width if ngram is not None else 1

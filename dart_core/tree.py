@@ -30,7 +30,7 @@ class DraftTree:
 
     def ancestor_mask(self) -> torch.Tensor:
         """[N, N] bool: `mask[i, j]` is True when node j is node i or one of its ancestors."""
-        return ancestor_mask(self.parents[None], self.depths[None])[0]
+        return ancestor_mask(self.parents[None])[0]
 
     def paths(self) -> list[tuple[int, ...]]:
         """The token path (root excluded) of every node but the root, in node order."""
@@ -65,7 +65,7 @@ class DraftTreeBatch:
 
     def ancestor_mask(self) -> torch.Tensor:
         """[B, N, N] bool: node j is node i or an ancestor of it (padding rows see only themselves)."""
-        return ancestor_mask(self.parents, self.depths)
+        return ancestor_mask(self.parents)
 
     def __len__(self) -> int:
         return self.batch_size
@@ -101,11 +101,11 @@ class DraftTreeBatch:
         return cls(tokens, parents, depths, scores, valid)
 
 
-def ancestor_mask(parents: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
-    """[B, N] parents/depths -> [B, N, N] bool, True where column j is row i or one of its ancestors.
+def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
+    """[B, N] parents -> [B, N, N] bool, True where column j is row i or one of its ancestors.
 
     Transitive closure of the parent relation by repeated squaring: ceil(log2 N) batched matmuls, the same
-    operators whatever the trees hold and no host synchronisation (`depths` only fixes the signature)."""
+    operators whatever the trees hold and no host synchronisation."""
     b, n = parents.shape
     device = parents.device
     cols = torch.arange(n, device=device)
@@ -213,11 +213,24 @@ class _SearchPlan:
     beam_start: torch.Tensor  # [L] first beam of each level in the concatenated beam parents
 
 
-@functools.cache  # never evicted: a captured CUDA graph of the search reads these tensors
-def _search_plan(cfg: TreeConfig, levels: int, k: int, device: torch.device) -> _SearchPlan:
-    beams = [1]  # beams extended at each level
+def beams_per_level(cfg: TreeConfig, levels: int, k: int) -> list[int]:
+    """Beams the search extends at each of `levels` levels with `k` candidates per beam: 1, then
+    min(beam_width, previous * k)."""
+    beams = [1]
     for _ in range(levels - 1):
         beams.append(min(cfg.beam_width, beams[-1] * k))
+    return beams
+
+
+def tree_node_count(cfg: TreeConfig, levels: int, k: int) -> int:
+    """Nodes (root included) of every tree `build_draft_trees` builds over `levels` levels of `k` candidates:
+    min(remain_total, pool size) + 1, the pool holding k candidates per beam and level."""
+    return min(cfg.remain_total, sum(beams * k for beams in beams_per_level(cfg, levels, k))) + 1
+
+
+@functools.cache  # never evicted: a captured CUDA graph of the search reads these tensors
+def _search_plan(cfg: TreeConfig, levels: int, k: int, device: torch.device) -> _SearchPlan:
+    beams = beams_per_level(cfg, levels, k)  # beams extended at each level
     f32 = dict(dtype=torch.float32, device=device)
     sizes = torch.tensor([nb * k for nb in beams], device=device)  # [L] pool entries of each level
     return _SearchPlan(

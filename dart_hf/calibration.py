@@ -2,8 +2,8 @@
 machine, for this target and this head, measured once and cached.
 
 A bigger tree accepts more tokens per step but costs a bigger verify forward. On a GPU a forward over 61 tokens
-costs about as much as one over 1 token, so the reference's 60 nodes are right; on a CPU the 60-node tree costs 2-4x
-a single-token step and a much smaller tree wins. The rule:
+costs about as much as one over 1 token, so the reference's 60 nodes are right; on a CPU the 60-node tree costs several
+times a single-token step and a much smaller tree wins. The rule:
 
 Acceptance, tau(R). The beam search's pool does not depend on `remain_total`: a tree of R draft nodes is exactly the
 best R pool entries by score (ties: pool order), i.e. the nodes of the R_max-node tree whose selection rank
@@ -59,9 +59,10 @@ import torch
 from dart_core import DartHead, TreeConfig
 from dart_core.errors import DartInputError
 from dart_core.io import atomic_write
+from dart_core.sync import synchronize
 from dart_hf.loop import DartStats, dart_decoding, last_stats
-from dart_hf.target import (first_eos, keep_accepted_path, plan_for, tree_attention_mask,
-                            tree_forward, tree_forwards)
+from dart_hf.target import (keep_accepted_path, plan_for, tree_attention_mask,
+                            tree_forward, tree_forwards, tree_settings)
 
 FORMAT_VERSION = 3  # 3: the few-row product measured per machine (older tree sizes used a fixed rule: stale)
 LATENCY_GRID = (1, 2, 4, 8, 16, 32, 64)
@@ -207,11 +208,6 @@ def choose_tree_size(tau: dict[int, float], verify_s: dict[int, float], fixed_s:
 
 # ---- measurements -----------------------------------------------------------------------------------------------
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 @torch.no_grad()
 def measure_latency(model, sizes: Iterable[int], layer_ids: Sequence[int] = (), context_length: int = 256,
                     repeats: int = 5, progress: Optional[bool] = None) -> tuple[dict[int, float], float]:
@@ -239,10 +235,10 @@ def measure_latency(model, sizes: Iterable[int], layer_ids: Sequence[int] = (), 
 
     def timed(run, kernels) -> float:
         with kernels():  # entered outside the clock, as the loop enters it once per call
-            _sync(device)
+            synchronize(device)
             t0 = time.perf_counter()
             run()
-            _sync(device)
+            synchronize(device)
             elapsed = time.perf_counter() - t0
         keep_accepted_path(cache, context_length, no_nodes)  # the loop's compaction, keeping none of the block
         return elapsed
@@ -307,14 +303,7 @@ def acceptance_run(model, head: DartHead, prompts: Sequence[torch.Tensor], tree_
                                        dart_streamer=_CountingStreamer(bar))
             model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
                            custom_generate=decode)
-            stats: DartStats = last_stats(model)
-            merged.prompt_tokens += stats.prompt_tokens
-            merged.new_tokens += stats.new_tokens
-            merged.accepted_lengths += stats.accepted_lengths
-            merged.accepted_ranks += stats.accepted_ranks
-            merged.tree_nodes = max(merged.tree_nodes, stats.tree_nodes)
-            for name in ("prefill_time", "head_time", "tree_time", "verify_time", "target_time"):
-                setattr(merged, name, getattr(merged, name) + getattr(stats, name))
+            merged.merge(last_stats(model))
     finally:
         bar.close()
     return merged
@@ -348,7 +337,7 @@ def encode_prompts(tokenizer, prompts: Iterable) -> list[torch.Tensor]:
 
 def base_tree_config(model, head: DartHead) -> TreeConfig:
     """The search settings decoding would use without calibration: the head's, else the reference's with the EOS."""
-    return head.tree_config or head.default_tree_config(first_eos(model.generation_config))
+    return tree_settings(head, model.generation_config)
 
 
 def run_calibration(model, tokenizer, head: DartHead, prompts: Optional[Iterable] = None, *, max_nodes: int = 60,

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import time
-from typing import Optional
-
 import torch
 from transformers.generation.candidate_generator import CandidateGenerator
 
-from dart_core import DartHead, TreeConfig
+from dart_core import DartHead, draft_context_length
 from dart_hf.loop import DartStats
-from dart_hf.target import first_eos, plan_for, tapped_hidden_states
+from dart_hf.target import plan_for, tapped_hidden_states, tree_settings
 
 
 class DartCandidateGenerator(CandidateGenerator):
@@ -24,17 +22,16 @@ class DartCandidateGenerator(CandidateGenerator):
 
     requires_model_outputs = True
 
-    def __init__(self, model, head: DartHead, generation_config, ngram=None,
-                 tree_config: Optional[TreeConfig] = None) -> None:
+    def __init__(self, model, head: DartHead, generation_config) -> None:
         self.plan = plan_for(model, head)
         self.head = head
-        self.ngram = ngram if ngram is not None else head.ngram
-        self.tree_config = tree_config or head.tree_config or head.default_tree_config(first_eos(generation_config))
+        self.ngram = head.ngram
+        self.tree_config = tree_settings(head, generation_config)
         self.max_length = generation_config.max_length
         # keep every hidden state when the user asked for them (a layer list would leave None holes in the output)
         wanted = True if generation_config.output_hidden_states else list(self.plan.layer_ids)
         self.model_kwargs_overrides = {"output_hidden_states": wanted}
-        self.context_len = max(self.ngram.order - 1, 1) if self.ngram is not None else 1
+        self.context_len = draft_context_length(self.ngram)
         self.head_cache = None
         self.rows = 0  # sequence positions whose hidden states the head has consumed
         self.stats = DartStats()

@@ -33,6 +33,11 @@ class DartOptions:
     sync_timing: bool = False
     cuda_graph: bool = False
 
+    def with_call(self, asked: dict) -> "DartOptions":
+        """These settings with a call's `dart_*` arguments (`asked`, without `dart_head`) taking precedence."""
+        given = {name[len("dart_"):]: value for name, value in asked.items() if value is not None}
+        return dataclasses.replace(self, **given)
+
     def decoding(self, streamer, tokenizer):
         """The `custom_generate` callable that decodes a call with these settings."""
         return functools.partial(dart_decoding, dart_head=self.head, dart_ngram=self.ngram,
@@ -40,28 +45,30 @@ class DartOptions:
                                  dart_sync_timing=self.sync_timing, dart_cuda_graph=self.cuda_graph)
 
 
+# generate()'s DART arguments: `dart_` + each DartOptions field (dart_head, dart_ngram, dart_tree_config, ...)
+DART_ARGUMENTS = tuple(f"dart_{field.name}" for field in dataclasses.fields(DartOptions))
+
+
 class DartGenerationMixin:
     """Routes `generate(dart_head=...)` (or every call, with a head attached by `enable(model, head)`) to DART tree
     decoding and `generate(assistant_model=<DartHead>)` to transformers' assisted loop with a
     `DartCandidateGenerator`; everything else is the model's own `generate`."""
 
-    def generate(self, inputs=None, generation_config=None, *, dart_head: DartHead | bool | None = None,
-                 dart_ngram=None, dart_tree_config=None, dart_sync_timing: bool = False,
-                 dart_cuda_graph: bool = False, **kwargs):
+    def generate(self, inputs=None, generation_config=None, **kwargs):
+        asked = {name: kwargs.pop(name) for name in DART_ARGUMENTS if name in kwargs}  # dart_head, dart_ngram, ...
+        dart_head = asked.pop("dart_head", None)
         attached = getattr(self, "_dart_attached", None)
         if dart_head is False or (dart_head is None and attached is None):  # plain generate()
-            if dart_ngram is not None or dart_tree_config is not None or dart_sync_timing or dart_cuda_graph:
-                raise ValueError("dart_ngram / dart_tree_config / dart_sync_timing / dart_cuda_graph need "
-                                 "dart_head=<DartHead> (or a head attached with dart_hf.enable(model, head))")
+            if any(value not in (None, False) for value in asked.values()):
+                raise ValueError(f"{' / '.join(asked)} need dart_head=<DartHead> (or a head attached with "
+                                 "dart_hf.enable(model, head))")
             _record_stats(self, None)
             return super().generate(inputs, generation_config, **kwargs)
         explicit = dart_head is not None
         if explicit and not isinstance(dart_head, DartHead):
             raise TypeError(f"dart_head must be a dart_core.DartHead (or False for plain generate()), got "
                             f"{type(dart_head).__name__}")
-        base = DartOptions(dart_head) if explicit else attached
-        options = DartOptions(base.head, dart_ngram if dart_ngram is not None else base.ngram,
-                              dart_tree_config or base.tree_config, bool(dart_sync_timing), bool(dart_cuda_graph))
+        options = (DartOptions(dart_head) if explicit else attached).with_call(asked)
         clash = next((name for name in OTHER_METHODS if kwargs.get(name) is not None), None)
         if clash is not None:
             if explicit:

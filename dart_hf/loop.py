@@ -14,16 +14,22 @@ from typing import Optional
 
 import torch
 
-from dart_core import DartHead, DraftTreeBatch, TreeConfig, verify_greedy, verify_tree
+from dart_core import DartHead, DraftTreeBatch, TreeConfig, draft_context_length, verify_greedy, verify_tree
 from dart_core.cuda_graph import cached_graph
 from dart_core.errors import DartInputError
 from dart_core.head import id_outside_vocab
 from dart_core.matmul import few_row_linears
+from dart_core.sync import synchronize
 from dart_core.tree import score_ranks
 from dart_hf.stopping import Stopper
-from dart_hf.target import (TargetPlan, check_attention, check_cache, first_eos, keep_accepted_path, plan_for,
+from dart_hf.target import (TargetPlan, check_attention, check_cache, keep_accepted_path, plan_for,
                             prompt_positions, tapped_hidden_states, tree_attention_mask, tree_forward,
-                            tree_forwards)
+                            tree_forwards, tree_settings)
+
+
+def tau_of(accepted: int, steps: int) -> float:
+    """Tokens per verify step, the bonus token included: (accepted draft tokens + steps) / steps (0 without steps)."""
+    return (accepted + steps) / steps if steps else 0.0
 
 
 @dataclasses.dataclass
@@ -73,8 +79,8 @@ class DartStats:
 
     def clock(self, device: torch.device) -> float:
         """perf_counter seconds, after waiting for `device` when `sync_timing` is set."""
-        if self.sync_timing and device.type != "cpu":
-            torch.accelerator.synchronize(device)
+        if self.sync_timing:
+            synchronize(device)
         return time.perf_counter()
 
     @property
@@ -83,7 +89,22 @@ class DartStats:
 
     @property
     def tau(self) -> float:
-        return (sum(self.accepted_lengths) + self.steps) / self.steps if self.steps else 0.0
+        return tau_of(sum(self.accepted_lengths), self.steps)
+
+    def merge(self, other: "DartStats") -> "DartStats":
+        """Add `other`'s calls to this object (every list extended, every count and time summed, the larger tree
+        kept): the statistics of several calls as one. Returns self."""
+        for field in dataclasses.fields(self):
+            mine, theirs = getattr(self, field.name), getattr(other, field.name)
+            if isinstance(mine, list):
+                mine.extend(theirs)
+            elif field.name == "tree_nodes":
+                self.tree_nodes = max(mine, theirs)
+            elif isinstance(mine, bool):
+                setattr(self, field.name, mine or theirs)
+            else:
+                setattr(self, field.name, mine + theirs)
+        return self
 
     def tau_by_row(self) -> dict[int, float]:
         """tau of each batch row."""
@@ -195,9 +216,8 @@ def _decode(model, input_ids, logits_processor, stopping_criteria, generation_co
     except DartInputError as err:
         raise NotApplicable(str(err)) from None
     ngram = ngram if ngram is not None else head.ngram
-    tree_config = tree_config or head.tree_config or head.default_tree_config(first_eos(generation_config))
-    verifier = _Verifier(model, plan, cache, logits_processor, bool(generation_config.do_sample))
-    context_len = max(ngram.order - 1, 1) if ngram is not None else 1
+    tree_config = tree_settings(head, generation_config, tree_config)
+    context_len = draft_context_length(ngram)
     depth = tree_config.draft_levels(head.draft_length + 1)  # deepest draft node
     search = TreeSearch(head, ngram, tree_config)
     greedy_paths = functools.partial(accepted_greedy_paths, max_depth=depth)
@@ -208,7 +228,7 @@ def _decode(model, input_ids, logits_processor, stopping_criteria, generation_co
     if graphs:  # kept with the head: later calls replay the graphs earlier ones captured
         search = cached_graph(head.cuda_graphs, (ngram, tree_config), search)
         greedy_paths = cached_graph(head.cuda_graphs, ("greedy_paths", depth), greedy_paths)
-    verifier.greedy_paths = greedy_paths
+    verifier = _Verifier(model, plan, cache, logits_processor, bool(generation_config.do_sample), greedy_paths)
     scores, raw_logits = [], []
     stopper = Stopper(input_ids, stopping_criteria, generation_config, scores if want_scores else None)
     stats = DartStats(prompt_tokens=int(attention_mask.sum()), sync_timing=sync_timing)
@@ -314,8 +334,7 @@ class _Verifier:
     cache: object
     processors: object
     do_sample: bool
-
-    greedy_paths: object = None  # `accepted_greedy_paths` with the depth bound (CUDA-graphed or not)
+    greedy_paths: object  # `accepted_greedy_paths` with the depth bound (CUDA-graphed or not)
 
     def __post_init__(self) -> None:
         if self.processors is not None and not len(self.processors):

@@ -11,7 +11,7 @@ from typing import Iterator, Optional
 import torch
 import torch.nn.functional as F
 
-from dart_core import DartHead
+from dart_core import DartHead, TreeConfig
 from dart_core.errors import DartInputError
 from dart_core.fit import TargetShape, check_fits
 from dart_core.head import additive_mask
@@ -214,6 +214,15 @@ def keep_accepted_path(cache, past_len: int, paths: torch.Tensor, at_front: bool
         layer.keys[..., past_len:end, :] = layer.keys.gather(2, index)
         layer.values[..., past_len:end, :] = layer.values.gather(2, index)
         layer.keys, layer.values = layer.keys[..., :end, :], layer.values[..., :end, :]
+
+
+def tree_settings(head: DartHead, generation_config, override: Optional[TreeConfig] = None) -> TreeConfig:
+    """The tree settings a generate() call searches with (the one place that decides them): `override`, else the
+    head's own, else the reference's; the EOS the search orders by is the call's (its generation config's first),
+    when it has one."""
+    base = override or head.tree_config or head.default_tree_config(None)
+    eos = first_eos(generation_config)
+    return base if eos is None or eos == base.eos_token_id else dataclasses.replace(base, eos_token_id=eos)
 
 
 def first_eos(generation_config) -> Optional[int]:

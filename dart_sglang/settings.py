@@ -9,6 +9,7 @@ import os
 from typing import Optional
 
 from dart_core.config import TreeConfig
+from dart_core.tree import tree_node_count
 
 from .head_format import read_sglang_dir
 
@@ -38,22 +39,13 @@ class DartServeSettings:
     @classmethod
     def for_tree(cls, tree: TreeConfig, draft_length: int, ngram_path: Optional[str] = None) -> "DartServeSettings":
         levels = tree.draft_levels(draft_length + 1)
-        nodes = tree_node_count(tree, levels)
+        nodes = tree_node_count(tree, levels, tree.topk)  # the worker's candidates are `topk` wide
         return cls(tree, draft_length, levels, eagle_topk(tree, levels, nodes), nodes, ngram_path)
 
     def server_args(self) -> dict:
         """The `--speculative-*` values SGLang must run with for these trees."""
         return {"speculative_num_steps": self.num_levels, "speculative_eagle_topk": self.topk,
                 "speculative_num_draft_tokens": self.num_draft_tokens}
-
-
-def tree_node_count(tree: TreeConfig, levels: int) -> int:
-    """Nodes (root included) of every tree `dart_core.build_draft_trees` builds: min(remain_total, pool) + 1."""
-    pool, beams = 0, 1
-    for level in range(levels):
-        pool += beams * tree.topk
-        beams = min(tree.beam_width, beams * tree.topk)
-    return min(tree.remain_total, pool) + 1
 
 
 def eagle_topk(tree: TreeConfig, levels: int, nodes: int) -> int:

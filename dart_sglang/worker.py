@@ -20,7 +20,7 @@ import os
 
 import torch
 
-from dart_core import NGramModel, build_draft_trees
+from dart_core import NGramModel, build_draft_trees, draft_context_length
 from dart_core.tree import topk_draft_tokens
 from sglang.srt.runtime_context import get_parallel
 from sglang.srt.speculative import eagle_worker_v2 as eagle_v2
@@ -78,7 +78,7 @@ class DartDraftWorker(eagle_v2.EagleDraftWorker):
         if not isinstance(model, LlamaForCausalLMDart):
             raise TypeError(f"the DART draft model loaded as {type(model).__name__}, not {SGLANG_ARCHITECTURE}")
         self.ngram = NGramModel.load(self.settings.ngram_path, device=self.device) if self.settings.ngram_path else None
-        self.context_length = max(1, self.ngram.order - 1) if self.ngram is not None else 1
+        self.context_length = draft_context_length(self.ngram)
         # every rank builds the trees itself from identical inputs (module docstring); this checks it each round
         self.check_ranks = os.environ.get(CHECK_RANKS_ENV) == "1" and get_parallel().tp_group.world_size > 1
 
@@ -212,6 +212,9 @@ class DartWorker(eagle_v2.EAGLEWorkerV2):
     """`EAGLEWorkerV2` with the DART draft worker (verify, bookkeeping and scheduling are EAGLE's)."""
 
     def __init__(self, server_args, gpu_id, nccl_port, target_worker):
+        # EAGLEWorkerV2.__init__ is not called: it builds an EagleDraftWorker (a second load of the draft model, with
+        # attention backends and CUDA graphs DART never uses). Its attributes are set here instead, attribute by
+        # attribute; tests/test_sglang.py fails when SGLang's constructor sets one this does not.
         eagle_v2.BaseSpecWorker.__init__(self)
         spec = eagle_v2.get_spec()
         self.server_args = server_args

@@ -42,7 +42,9 @@ from dart_core import DartConfig, DartHead, Eagle3Head, NGramModel
 from dart_core.config import check_float, check_int
 from dart_core.errors import DartInputError
 from dart_core.io import WEIGHT_DTYPES, atomic_write, set_aside_copies, staged_directory
-from dart_hf.target import first_eos
+from dart_core.sync import synchronize
+from dart_hf.loop import DartStats
+from dart_hf.target import tree_settings
 from dart_train.data import read_shards
 from dart_train.features import Batch, collate, target_features
 from dart_train.loss import LossOutput, TrainingForward, choose_anchors, dart_loss
@@ -615,8 +617,7 @@ class Trainer:
                 "tokens": batch.num_tokens, "target_s": t_target, "head_s": t_head, "skipped": skipped}
 
     def _sync(self) -> None:
-        if self.device.type == "cuda":  # honest per-phase timings
-            torch.cuda.synchronize(self.device)
+        synchronize(self.device)  # honest per-phase timings
 
     @torch.no_grad()
     def evaluate(self) -> Optional[dict]:
@@ -653,17 +654,15 @@ class Trainer:
             return None
         self.head.eval()
         model = dart_hf.enable(self.model)
-        accepted, per_prompt = [], []
+        merged, per_prompt = DartStats(), []
         for prompt in prompts:
             ids = torch.as_tensor(prompt, dtype=torch.long, device=self.device)[None]
             model.generate(ids, attention_mask=torch.ones_like(ids), dart_head=self.head, do_sample=False,
                            max_new_tokens=self.cfg.tau_max_new_tokens)
             stats = model.dart_stats
-            accepted.extend(stats.accepted_lengths)
+            merged.merge(stats)
             per_prompt.append(stats.tau)
-        steps = len(accepted)
-        return {"tau": (sum(accepted) + steps) / steps if steps else 0.0, "tau_per_prompt": per_prompt,
-                "tau_prompts": len(prompts)}
+        return {"tau": merged.tau, "tau_per_prompt": per_prompt, "tau_prompts": len(prompts)}
 
     def _log(self, name: str, record: dict) -> None:
         if self.dist.main:
@@ -767,7 +766,7 @@ class Trainer:
         summary = {"step": step, "losses": losses, "out": str(self.out), "skipped_steps": skipped_total}
         if step == self.total_steps:
             if self.head.tree_config is None:  # the search settings travel with the head; EOS is the target's
-                self.head.tree_config = self.head.default_tree_config(first_eos(self.model.generation_config))
+                self.head.tree_config = tree_settings(self.head, self.model.generation_config)
             if self.ngram is not None:
                 self.head.ngram = self.ngram
             summary["eval"] = self._eval_and_log(step, final=True)

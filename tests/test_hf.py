@@ -309,3 +309,26 @@ def test_cuda_graph_flag_falls_back_to_eager_off_cuda():
     assert torch.equal(out, plain) and model.dart_stats.tau > 2.0
     with pytest.raises(ValueError, match="need dart_head"):
         model.generate(PROMPTS[0], max_new_tokens=4, dart_cuda_graph=True)
+
+
+def test_one_rule_decides_the_tree_settings_and_the_calls_eos_wins(monkeypatch):
+    from dart_hf import calibration, loop
+    from dart_hf.target import tree_settings
+
+    model = dart_hf.enable(tiny_target())
+    head = random_head(model)
+    head.tree_config = TreeConfig(remain_total=5, eos_token_id=3)
+    model.generation_config.eos_token_id = 3
+    seen = []
+    real = loop.TreeSearch
+
+    def recording(head_, ngram, tree_config):
+        seen.append(tree_config)
+        return real(head_, ngram, tree_config)
+
+    monkeypatch.setattr(loop, "TreeSearch", recording)
+    model.generate(PROMPTS[0], max_new_tokens=6, do_sample=False, dart_head=head, eos_token_id=7)
+    assert seen[-1] == TreeConfig(remain_total=5, eos_token_id=7)  # the call's EOS, the head's other settings
+    model.generate(PROMPTS[0], max_new_tokens=6, do_sample=False, dart_head=head)
+    assert seen[-1] == head.tree_config == calibration.base_tree_config(model, head)
+    assert tree_settings(head, model.generation_config, TreeConfig(topk=4)) == TreeConfig(topk=4, eos_token_id=3)

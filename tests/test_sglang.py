@@ -15,7 +15,8 @@ import_sglang()
 
 from dart_core import NGramModel, TreeConfig, build_draft_trees  # noqa: E402
 from dart_core.verify import verify_greedy  # noqa: E402
-from dart_sglang.settings import DartServeSettings, eagle_topk, tree_node_count  # noqa: E402
+from dart_core.tree import tree_node_count  # noqa: E402
+from dart_sglang.settings import DartServeSettings, eagle_topk  # noqa: E402
 from dart_sglang.tree_abi import encode_eagle_trees  # noqa: E402
 from dart_sglang.worker import draft_contexts, recent_tokens  # noqa: E402
 
@@ -46,7 +47,7 @@ def test_sizes_match_the_search(kwargs, draft_length):
     cfg = TreeConfig(**kwargs)
     s = DartServeSettings.for_tree(cfg, draft_length)
     trees = random_trees(cfg, draft_length, batch=2, seed=3)
-    assert trees.num_nodes == s.num_draft_tokens == tree_node_count(cfg, s.num_levels)
+    assert trees.num_nodes == s.num_draft_tokens == tree_node_count(cfg, s.num_levels, cfg.topk)
     assert int(trees.depths.max()) <= s.num_levels == min(draft_length + 1, cfg.max_depth or 99)
     assert s.server_args() == {"speculative_num_steps": s.num_levels, "speculative_eagle_topk": s.topk,
                                "speculative_num_draft_tokens": s.num_draft_tokens}
@@ -349,3 +350,28 @@ def test_kv_sizing_hooks(monkeypatch):
     monkeypatch.setattr(rc, "get_spec", lambda: SimpleNamespace(speculative_algorithm="EAGLE3"))
     assert decode_alloc_len(eagle) == 175 and req_to_token_headroom(lambda: 65) == 65
     assert reserved_tokens(eagle) == 175
+
+
+def test_the_dart_worker_sets_every_attribute_eagles_constructor_sets():
+    import ast
+    import inspect
+    import textwrap
+
+    from sglang.srt.speculative.eagle_worker_v2 import EAGLEWorkerV2
+
+    from dart_sglang.worker import DartWorker
+
+    def assigned(init) -> set[str]:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(init)))
+        out = set()
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                node, ast.AnnAssign) else []
+            for target in targets:
+                for t in (target.elts if isinstance(target, ast.Tuple) else [target]):
+                    if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":
+                        out.add(t.attr)
+        return out
+
+    eagle, dart = assigned(EAGLEWorkerV2.__init__), assigned(DartWorker.__init__)
+    assert eagle and not eagle - dart, f"SGLang's EAGLEWorkerV2.__init__ sets {sorted(eagle - dart)}, DartWorker not"

@@ -57,8 +57,10 @@ def servers(models):
     root, target, head = models
     logits_log = root / "head-logits.jsonl"
     with ThreadPoolExecutor(2) as pool:
-        plain = pool.submit(Server, target, None, str(root / "plain.log"))
-        dart = pool.submit(Server, target, head, str(root / "dart.log"), {"DART_TEST_LOGITS_LOG": str(logits_log)})
+        flags = ("--constrained-json-disable-any-whitespace",)
+        plain = pool.submit(Server, target, None, str(root / "plain.log"), extra=flags)
+        dart = pool.submit(Server, target, head, str(root / "dart.log"), {"DART_TEST_LOGITS_LOG": str(logits_log)},
+                           extra=flags)
         started = []
         try:
             for future in (plain, dart):
@@ -141,22 +143,30 @@ def test_sampling_is_served_on_this_cpu(servers):
 
 
 def test_context_limits_are_the_plain_servers_up_to_the_tree_depth(servers):
-    from dart_sglang.settings import DartServeSettings
+    import openai
+
     from dart_core import TreeConfig
+    from dart_sglang.settings import DartServeSettings
 
     plain, dart = servers
     reserve = DartServeSettings.for_tree(TreeConfig(**TREE), 4).num_levels  # positions a tree reaches past the end
     new = 8
-    for server, limit in ((plain, CONTEXT), (dart, CONTEXT - reserve)):
-        fits = [3 + i % 80 for i in range(limit - new)]  # token ids inside the vocabulary
-        body = generate(server, fits, ignore_eos=True, max_new_tokens=new)
-        assert len(body["output_ids"]) == new
-        refused = generate(server, fits + [3], ignore_eos=True, max_new_tokens=new, expect=400)
-        assert "longer than" in json.dumps(refused) or "context" in json.dumps(refused), refused
-    import openai
 
+    def prompt(length):
+        return [3 + i % 80 for i in range(length)]  # token ids inside the vocabulary
+
+    def request(server, length, expect):
+        return generate(server, prompt(length), ignore_eos=True, max_new_tokens=new, expect=expect)
+
+    edge = CONTEXT - new - reserve  # the longest prompt DART takes with `new` tokens
+    assert request(dart, edge, 200)["output_ids"] == request(plain, edge, 200)["output_ids"]
+    refused = request(dart, edge + 1, 400)
+    assert "maximum context" in json.dumps(refused), refused
+    request(plain, edge + 1, 200)  # the plain server still takes it: DART's limit is stricter by the tree depth
+    request(plain, CONTEXT - new, 200)
+    request(plain, CONTEXT - new + 1, 400)
     with pytest.raises(openai.BadRequestError):  # streamed: refused before any token, not mid-stream
-        stream = dart.openai().completions.create(model="default", prompt=fits + [3], max_tokens=new,
+        stream = dart.openai().completions.create(model="default", prompt=prompt(edge + 1), max_tokens=new,
                                                   temperature=0, stream=True)
         next(iter(stream))
 
@@ -164,13 +174,14 @@ def test_context_limits_are_the_plain_servers_up_to_the_tree_depth(servers):
 def test_constrained_decoding_with_a_json_schema_and_a_regex(servers):
     import jsonschema
 
+    # bounded: the servers run with --constrained-json-disable-any-whitespace, so a random model cannot ramble
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
-                                               "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+                                               "n": {"enum": [1, 2, 3]}},
               "required": ["name", "n"], "additionalProperties": False}
     asks = [dict(json_schema=json.dumps(schema)), dict(regex=r"[a-z]{3}-[0-9]{2}")]
 
     def run(server):
-        return [generate(server, PROMPT_IDS[0], max_new_tokens=64, **ask)["text"] for ask in asks]
+        return [generate(server, PROMPT_IDS[0], max_new_tokens=48, **ask)["text"] for ask in asks]
 
     plain, dart = both(servers, run)
     assert dart == plain
