@@ -97,3 +97,32 @@ def test_bench_command_on_smollm2(tmp_path, capsys):
     assert all(r["identical"] for r in result["runs"]) and len(result["runs"]) == 5
     # --no-calibrate keeps the tree saved with the shipped head
     assert result["environment"]["tree_configs"]["dart"] == shipped.tree_config.to_dict()
+
+
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_lm_eval_generate_until_with_the_shipped_head_equals_plain(batch_size):
+    # the harness drives the model as an evaluation run does: left-padded batches, no attention mask, one
+    # MultiTokenEOSCriteria per stop string (a per-row done tracker answering one bool for the batch)
+    import copy
+
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    model, tokenizer, head = dart_hf.load_default()
+    attached = dart_hf.enable(copy.deepcopy(model), head)
+    data = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "gsm8k_train.jsonl"
+    if not data.is_file():
+        pytest.skip(f"{data} is missing")
+    rows = [json.loads(line) for line in data.read_text(encoding="utf-8").splitlines()[:6]]
+    shot = f"Question: {rows[0]['question']}\nAnswer: {rows[0]['answer']}\n\n"
+    contexts = [f"{shot}Question: {r['question']}\nAnswer:" for r in rows[1:]]
+
+    def run(m):
+        reqs = [Instance(request_type="generate_until", doc={}, idx=i, arguments=(
+            ctx, {"until": ["Question:", "\n\n", "<|im_end|>"], "max_gen_toks": 24, "do_sample": False}))
+            for i, ctx in enumerate(contexts)]
+        return HFLM(pretrained=m, tokenizer=tokenizer, batch_size=batch_size).generate_until(reqs, disable_tqdm=True)
+
+    plain = run(model)
+    assert run(attached) == plain and any(plain)
+    assert attached.dart_stats is not None  # the harness's calls went through DART
