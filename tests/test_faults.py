@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import stat
 
 import numpy as np
@@ -15,7 +14,7 @@ import torch
 
 import dart_hf
 from dart_cli.main import main
-from dart_core import DartConfig, DartHead, DartInputError, TreeConfig, build_draft_tree
+from dart_core import DartHead, DartInputError, TreeConfig, build_draft_tree
 from dart_train.data import read_shards, write_shard
 from hf_models import random_head, tiny_target
 

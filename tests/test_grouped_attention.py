@@ -59,7 +59,6 @@ def test_each_new_mask_is_used_inside_one_block():
     # the layers of one forward share one grouped mask; a new mask (the next step) must never get the old one
     import dart_hf.target as target
 
-    model = tiny_target()
     module, q, k, v, first = random_case(4, 1, 4, 2, 3, 10, False)
     *_, second = random_case(5, 1, 4, 2, 3, 10, False)
     with grouped_attention():
@@ -127,7 +126,6 @@ def test_tree_forwards_matches_the_model_and_changes_nothing_outside(monkeypatch
 def test_grouped_attention_ends_on_error_and_leaves_eager_alone(monkeypatch):
     import dart_hf.target as target
 
-    model = tiny_target()
     with pytest.raises(RuntimeError, match="boom"):
         with grouped_attention():
             raise RuntimeError("boom")

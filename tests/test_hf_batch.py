@@ -2,12 +2,12 @@
 
 import pytest
 import torch
-from transformers import PreTrainedTokenizerFast, StoppingCriteriaList, pipeline
+from transformers import PreTrainedTokenizerFast, pipeline
 
 import dart_hf
 from dart_core import TreeConfig, VerifyResult, verify_tree
 from hf_models import oracle_head, random_head, tiny_target
-from test_hf import EndsWith, chi_square_pvalue, exact_two_token_distribution
+from test_hf import chi_square_pvalue, exact_two_token_distribution
 
 PAD = 0
 
