@@ -101,7 +101,8 @@ def test_the_core_and_the_sglang_format_import_no_framework():
         assert not frameworks, f"{module} imports {frameworks}"
     # at run time, through every module they pull in: what `dart-spec convert sglang`/`serve` and SGLang's plugin
     # loader (every SGLang process) import
-    code = ("import sys, dart_sglang, dart_sglang.head_format, dart_sglang.settings, dart_cli.main; "
+    code = ("import sys, dart_sglang, dart_sglang.head_format, dart_sglang.settings, dart_sglang.sampling, "
+            "dart_cli.main; "
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('sglang', 'transformers')); "
             "assert not bad, bad[:5]")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
