@@ -162,7 +162,9 @@ NEW_TOKENS = 12
 
 
 def hf_greedy(model, ids, new_tokens):
-    out = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=2,
+    from sglang_env import EOS
+
+    out = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=EOS,
                          pad_token_id=0)
     return out[0, len(ids):].tolist()
 
