@@ -28,7 +28,6 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -36,9 +35,8 @@ import dart_hf
 from dart_core.matmul import few_row_linears
 from dart_hf.target import tree_settings
 from kernel_control import one_row_as_two
-from results_io import write_results
+from results_io import DATA, write_results
 
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 
 def prompt_sets(mt_bench: int, humaneval: int) -> dict[str, list[str]]:

@@ -20,14 +20,12 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
 import dart_hf
-from results_io import write_results
+from results_io import DATA, write_results
 
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 UNTIL = ["Question:", "\n\n", "<|im_end|>"]
 
 

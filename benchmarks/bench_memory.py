@@ -14,11 +14,9 @@ import json
 import resource
 import subprocess
 import sys
-from pathlib import Path
 
-from results_io import write_results
+from results_io import DATA, write_results
 
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 
 def peak_mib() -> float:

@@ -26,9 +26,8 @@ from dart_bench import load_prompt_sets
 from dart_core import TreeConfig
 from dart_core.ngram import NGramModel
 from dart_hf.calibration import acceptance_run, base_tree_config, encode_prompts
-from results_io import write_results
+from results_io import DATA, write_results
 
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 TREE_SIZES = (2, 4, 8, 16, 60)
 # requests written for this script (not from any benchmark set)
 OWN_PROMPTS = (

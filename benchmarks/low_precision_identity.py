@@ -14,15 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import Optional
 
 import torch
 
 import dart_hf
-from results_io import write_results
+from results_io import DATA, write_results
 
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 
 def first_difference(out: torch.Tensor, reference: torch.Tensor, prompt_len: int) -> Optional[int]:

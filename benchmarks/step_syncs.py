@@ -24,16 +24,14 @@ import functools
 import json
 import statistics
 import sys
-from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import dart_hf
 import dart_hf.loop as loop
-from results_io import write_results
+from results_io import DATA, write_results
 
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 SYNC_OPS = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "repeat_interleave")
 PHASES = ("head", "tree", "mask", "target", "accept", "compact", "other", "emit")
 

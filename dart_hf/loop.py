@@ -261,7 +261,7 @@ def _decode(model, input_ids, logits_processor, stopping_criteria, generation_co
             if len(keep) < len(batch.rows):
                 batch, step = _drop_rows(batch, step, head_cache, cache, keep)
             if all(stopper.remaining(row) == 1 for row in batch.rows):  # one token left: the root alone decides it
-                trees, ancestors = root_trees(batch)
+                trees, ancestors = root_trees(batch.contexts[:, -1:])
             else:
                 trees, ancestors = draft(head, search, step, head_cache, batch, tree_config, graphs, stats)
                 step = dataclasses.replace(step, aux_rows=step.aux_rows[:, :0], head_ids=step.head_ids[:, :0],
@@ -354,8 +354,8 @@ class _Verifier:
             if trees.num_nodes > 1:
                 return Paths(*self.greedy_paths(trees.tensors(), logits, ancestors))
             bonus = logits[:, 0].argmax(dim=-1)  # [B] a lone root: generate()'s argmax
-            zeros = torch.zeros_like(bonus)
-            return Paths(zeros, bonus, zeros[:, None], trees.tokens[:, :1], zeros[:, None][:, :0])
+            b = bonus.shape[0]
+            return Paths(bonus.new_zeros(b), bonus, bonus.new_zeros(b, 1), trees.tokens[:, :1], bonus.new_zeros(b, 0))
         result = verify_tree(trees, logits, context_ids=[s[0] for s in sequences], logits_processor=self.processors,
                              do_sample=self.do_sample)
         return Paths(*path_summary(trees, result))
@@ -388,12 +388,11 @@ def accepted_greedy_paths(tree_tensors: tuple[torch.Tensor, ...], logits: torch.
     return path_summary(trees, result)
 
 
-def root_trees(batch: Batch) -> tuple[DraftTreeBatch, torch.Tensor]:
-    """One-node trees of the roots (each row's last token): a step that decides the next token alone, as a plain
-    generate() step does -> (trees, ancestors [B, 1, 1])."""
-    b = len(batch.rows)
-    device = batch.contexts.device
-    trees = DraftTreeBatch(batch.contexts[:, -1:], torch.full((b, 1), -1, device=device),
+def root_trees(roots: torch.Tensor) -> tuple[DraftTreeBatch, torch.Tensor]:
+    """One-node trees of the roots [B, 1] (each row's last token): a step that decides the next token alone, as a
+    plain generate() step does -> (trees, ancestors [B, 1, 1])."""
+    b, device = roots.shape[0], roots.device
+    trees = DraftTreeBatch(roots, torch.full((b, 1), -1, device=device),
                            torch.zeros(b, 1, dtype=torch.long, device=device), torch.zeros(b, 1, device=device),
                            torch.ones(b, 1, dtype=torch.bool, device=device))
     return trees, torch.ones(b, 1, 1, dtype=torch.bool, device=device)
@@ -466,8 +465,8 @@ def prefill(verifier: _Verifier, head: DartHead, input_ids: torch.Tensor, attent
                 position_ids=prompt_positions(attention_mask)[:, past:], past_key_values=verifier.cache,
                 use_cache=True, output_hidden_states=list(plan.layer_ids), **_last_logits_only(model))
     logits = out.logits[:, -1:].float()  # [B, 1, V]
-    first = verifier.accept(root_trees(Batch([0] * b, None, None, input_ids[:, -1:]))[0], logits,
-                            torch.ones(b, 1, 1, dtype=torch.bool, device=device), list(input_ids.split(1))).bonus
+    roots, ancestors = root_trees(input_ids[:, -1:])
+    first = verifier.accept(roots, logits, ancestors, list(input_ids.split(1))).bonus  # [B]
     # the head reads each prompt's real rows from its first one: left-align them (R = the longest prompt)
     real = attention_mask.sum(dim=1) - past  # [B] new real positions
     rows = int(real.max())

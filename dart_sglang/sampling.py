@@ -84,10 +84,11 @@ def node_penalties(logits: torch.Tensor, outputs: Sequence[Sequence[int]], penal
 def _penalise(logits: torch.Tensor, counts: Counter, produced: int, rule: Penalties) -> None:
     """One node's logits [V], the token counts of its prefix's output and the number of output tokens before the
     one it predicts."""
-    ids = torch.tensor(sorted(counts), dtype=torch.long, device=logits.device)
+    tokens = sorted(counts)
+    ids = torch.tensor(tokens, dtype=torch.long, device=logits.device)
     for name in rule.order:
         if name == "frequency" and rule.frequency and ids.numel():
-            n = torch.tensor([counts[i] for i in sorted(counts)], dtype=logits.dtype, device=logits.device)
+            n = torch.tensor([counts[i] for i in tokens], dtype=logits.dtype, device=logits.device)
             logits.index_add_(0, ids, -rule.frequency * n)
         elif name == "presence" and rule.presence and ids.numel():
             logits.index_add_(0, ids, torch.full((ids.numel(),), -rule.presence, dtype=logits.dtype,

@@ -110,7 +110,7 @@ def test_lm_eval_generate_until_with_the_shipped_head_equals_plain(batch_size):
 
     model, tokenizer, head = dart_hf.load_default()
     attached = dart_hf.enable(copy.deepcopy(model), head)
-    data = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "gsm8k_train.jsonl"
+    data = DATA / "gsm8k_train.jsonl"
     if not data.is_file():
         pytest.skip(f"{data} is missing")
     rows = [json.loads(line) for line in data.read_text(encoding="utf-8").splitlines()[:6]]
