@@ -132,6 +132,7 @@ def dart_sample(monkeypatch):
     import dart_sglang.verify as verify
 
     monkeypatch.setattr(verify, "is_dart", lambda: True)
+    monkeypatch.setattr(verify, "_same_on_every_rank", lambda tokens: tokens)  # one process, no TP group
     monkeypatch.setattr(spec_tree, "_is_cpu", False)  # SGLang's Triton tree walk (TRITON_INTERPRET), as in the
     monkeypatch.setattr(spec_tree, "_is_xpu", True)   # CPU test servers
     return lambda *args: verify.dart_eagle_sample(lambda *a, **k: pytest.fail("SGLang's verify ran"), *args)
