@@ -4,7 +4,7 @@
     python benchmarks/bench_batch.py --batch-sizes 1,2 --prompts 2 --max-new-tokens 8     # a quick check
 
 Greedy, the first `--prompts` MT-Bench first turns (chat template, left-padded as a tokenizer pads a decoder-only
-batch) from ../shared/data, the shipped head (tree size: the cached calibration for this machine, else the head's).
+batch) from the shipped MT-Bench set, the shipped head (tree size: the cached calibration for this machine, else the head's).
 For each batch size B the prompts are split into consecutive groups of B; each group runs plain `generate()` and
 `generate(dart_head=...)` back to back, `--repeats` times alternating. tokens/s counts every row's new tokens up to
 its stop (padding excluded) over the call's wall time; the speedup is the median over repeats of DART's tokens/s
@@ -22,13 +22,13 @@ import time
 import torch
 
 import dart_hf
-from results_io import DATA, write_results
+from dart_bench import DATA_DIR, load_prompt_sets
+from results_io import write_results
 
 
 
 def mt_bench(count: int) -> list[str]:
-    with open(DATA / "mt_bench_questions.jsonl", encoding="utf-8") as fh:
-        return [json.loads(line)["turns"][0] for line in fh if line.strip()][:count]
+    return load_prompt_sets(DATA_DIR, count, ["mt_bench"])["mt_bench"]
 
 
 def encode(tokenizer, texts: list[str]) -> dict:

@@ -5,7 +5,7 @@
 
 SmolLM2-135M-Instruct and the shipped head (tree size: the cached calibration for this machine, else the head's),
 greedy, batch 1. Prompts are GSM8K-style few-shot harness prompts ("Question: ...\\nAnswer: ..." shots from
-../shared/data, then a question) cut to `--prompt-tokens` tokens. For each prompt length and each output length n
+the shipped GSM8K slice, then a question) cut to `--prompt-tokens` tokens. For each prompt length and each output length n
 (`min_new_tokens` = `max_new_tokens` = n, so both decode exactly n tokens), plain and DART calls alternate
 `--repeats` times after one warm-up each; the ratio is plain's median wall time over DART's. DART's per-call phases
 (median ms, from `DartStats`): set-up (checks and preparation), prefill (the target on the prompt), first draft (the
@@ -25,14 +25,14 @@ import time
 import torch
 
 import dart_hf
-from results_io import DATA, write_results
+from dart_bench import read_prompt_rows
+from results_io import write_results
 
 
 
 def harness_prompt(tokenizer, tokens: int) -> torch.Tensor:
     """[1, tokens] ids: few-shot GSM8K shots then a question, the shots cut from the front to fit."""
-    with open(DATA / "gsm8k_train.jsonl", encoding="utf-8") as fh:
-        rows = [json.loads(line) for line in fh if line.strip()]
+    rows = read_prompt_rows("gsm8k")
     question = f"Question: {rows[0]['question']}\nAnswer:"
     shots = "".join(f"Question: {r['question']}\nAnswer: {r['answer']}\n\n" for r in rows[1:40])
     ids = tokenizer(shots + question, return_tensors="pt").input_ids

@@ -5,7 +5,7 @@
     python benchmarks/bench_default_head.py --head runs/head --remain-total 8 ...                   # another head
 
 Greedy, batch 1, `--max-new-tokens` (128) per prompt, MT-Bench first turns and the first HumanEval prompts (chat
-template) from ../shared/data. For each prompt plain `generate()` and DART run back to back on the same machine;
+template) from the sets shipped in dart_bench/data. For each prompt plain `generate()` and DART run back to back on the same machine;
 tokens/s are summed per set and the speedup is the ratio of the two within this run. The tree size is the cached
 calibration for this machine if there is one (`dart-spec demo --calibrate`), else the head's.
 
@@ -35,16 +35,14 @@ import dart_hf
 from dart_core.matmul import few_row_linears
 from dart_hf.target import tree_settings
 from kernel_control import one_row_as_two
-from results_io import DATA, write_results
+from dart_bench import DATA_DIR, load_prompt_sets
+from results_io import write_results
 
 
 
 def prompt_sets(mt_bench: int, humaneval: int) -> dict[str, list[str]]:
-    with open(DATA / "mt_bench_questions.jsonl", encoding="utf-8") as fh:
-        mt = [json.loads(line)["turns"][0] for line in fh if line.strip()][:mt_bench]
-    with open(DATA / "humaneval.jsonl", encoding="utf-8") as fh:
-        he = [json.loads(line)["prompt"] for line in fh if line.strip()][:humaneval]
-    return {"mt_bench": mt, "humaneval": he}
+    mt = load_prompt_sets(DATA_DIR, mt_bench, ["mt_bench"])["mt_bench"]
+    return {"mt_bench": mt, "humaneval": load_prompt_sets(DATA_DIR, humaneval, ["humaneval"])["humaneval"]}
 
 
 def timed_generate(model, ids, max_new_tokens, **kwargs):

@@ -24,17 +24,20 @@ import time
 import torch
 
 import dart_hf
-from results_io import DATA, write_results
+from dart_bench import read_prompt_rows
+from results_io import write_results
 
 UNTIL = ["Question:", "\n\n", "<|im_end|>"]
 
 
 def gsm8k_contexts(questions: int, shots: int) -> list[str]:
-    """`shots` solved problems (the file's first ones) then each of `questions` later questions."""
-    with open(DATA / "gsm8k_train.jsonl", encoding="utf-8") as fh:
-        rows = [json.loads(line) for line in fh if line.strip()]
+    """`shots` solved problems (the shipped slice's first ones) then each of its last `questions` questions."""
+    rows = read_prompt_rows("gsm8k")
+    if shots + questions > len(rows):
+        raise ValueError(f"{shots} shots and {questions} questions need {shots + questions} GSM8K rows; "
+                         f"the shipped slice has {len(rows)}")
     prefix = "".join(f"Question: {r['question']}\nAnswer: {r['answer']}\n\n" for r in rows[:shots])
-    return [f"{prefix}Question: {r['question']}\nAnswer:" for r in rows[100 : 100 + questions]]
+    return [f"{prefix}Question: {r['question']}\nAnswer:" for r in rows[len(rows) - questions :]]
 
 
 def requests(contexts: list[str], max_gen_toks: int):

@@ -15,7 +15,8 @@ import resource
 import subprocess
 import sys
 
-from results_io import DATA, write_results
+from dart_bench import read_prompt_rows
+from results_io import write_results
 
 
 
@@ -30,8 +31,7 @@ def measure(length: int, method: str, new_tokens: int) -> dict:
     import dart_hf
 
     model, tokenizer, head = dart_hf.load_default()
-    with open(DATA / "gsm8k_train.jsonl", encoding="utf-8") as fh:
-        text = "\n\n".join(json.loads(line)["question"] for line in fh)
+    text = "\n\n".join(row["question"] for row in read_prompt_rows("gsm8k"))
     ids = tokenizer(text, return_tensors="pt").input_ids[:, :length]
     if ids.shape[1] < length:
         raise ValueError(f"the text gives {ids.shape[1]} tokens, fewer than {length}")

@@ -22,11 +22,11 @@ from pathlib import Path
 import torch
 
 import dart_hf
-from dart_bench import load_prompt_sets
+from dart_bench import DATA_DIR, load_prompt_sets
 from dart_core import TreeConfig
 from dart_core.ngram import NGramModel
 from dart_hf.calibration import acceptance_run, base_tree_config, encode_prompts
-from results_io import DATA, write_results
+from results_io import write_results
 
 TREE_SIZES = (2, 4, 8, 16, 60)
 # requests written for this script (not from any benchmark set)
@@ -75,7 +75,7 @@ def main(argv=None) -> int:
         parser.error(f"n-gram file(s) not found: {', '.join(missing)}")
     torch.set_num_threads(args.threads)
     model, tokenizer, head = dart_hf.load_default(args.head, use_calibration=False)
-    questions = load_prompt_sets(DATA, args.gsm8k, ["gsm8k"])["gsm8k"]
+    questions = load_prompt_sets(DATA_DIR, args.gsm8k, ["gsm8k"])["gsm8k"]
     prompts = encode_prompts(tokenizer, list(questions) + list(OWN_PROMPTS))
     base = base_tree_config(model, head)
     # (what the row says, TreeConfig overrides, n-gram): every n-gram file is loaded (and checked) before any run

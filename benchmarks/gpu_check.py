@@ -27,8 +27,7 @@ inside DART's loop, so the phase times are device time):
   ones).
 
 Prompts: MT-Bench first turns (chat template) from `--prompt-file` (JSON lines with "turns" lists, or "prompt" /
-"text" strings), by default `../shared/data/mt_bench_questions.jsonl` beside the checkout; the repository ships no
-copy. One JSON is written (atomically, rewritten after every prompt so a run cut short leaves its finished ones) with
+"text" strings), by default the MT-Bench set shipped in `dart_bench/data/`. One JSON is written (atomically, rewritten after every prompt so a run cut short leaves its finished ones) with
 the device name, versions, commit and settings. Its CPU runs are no speed claim; the GPU rows of BENCHMARKS.md come
 from its GPU runs.
 
@@ -71,7 +70,7 @@ from dart_core.sync import synchronize  # noqa: E402
 from dart_hf.loop import tau_of  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_PROMPT_FILE = REPO.parent / "shared" / "data" / "mt_bench_questions.jsonl"
+DEFAULT_PROMPT_FILE = REPO / "dart_bench" / "data" / "mt_bench_questions.jsonl"
 PHASES = ("head", "tree", "mask", "target", "accept", "compact", "verify")
 # Token-for-token identity with plain greedy is required in float32 (exit status 1 otherwise). In bfloat16 / float16
 # a multi-token forward (the tree) rounds differently from a one-token forward, so greedy outputs drift apart at

@@ -19,7 +19,8 @@ from typing import Optional
 import torch
 
 import dart_hf
-from results_io import DATA, write_results
+from dart_bench import DATA_DIR, load_prompt_sets
+from results_io import write_results
 
 
 
@@ -45,8 +46,7 @@ def main(argv=None) -> int:
     model, tokenizer, head = dart_hf.load_default()
     model.to(dtype)
     head.to(dtype)
-    with open(DATA / "mt_bench_questions.jsonl", encoding="utf-8") as fh:
-        texts = [json.loads(line)["turns"][0] for line in fh if line.strip()][: args.prompts]
+    texts = load_prompt_sets(DATA_DIR, args.prompts, ["mt_bench"])["mt_bench"]
     rows = []
     for text in texts:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,

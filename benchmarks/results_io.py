@@ -1,4 +1,4 @@
-"""Shared by the benchmark scripts: where the shared prompt data lies, and where and how results are written."""
+"""Shared by the benchmark scripts: where and how results are written."""
 
 from __future__ import annotations
 
@@ -7,9 +7,6 @@ import os
 from pathlib import Path
 
 from dart_core.io import atomic_write
-
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"  # ../shared/data beside the project
-
 
 def write_results(path: str, results: dict) -> None:
     """Write `results` as indented JSON to `path` (folders created, file replaced atomically)."""

@@ -30,7 +30,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import dart_hf
 import dart_hf.loop as loop
-from results_io import DATA, write_results
+from dart_bench import DATA_DIR, load_prompt_sets
+from results_io import write_results
 
 SYNC_OPS = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "repeat_interleave")
 PHASES = ("head", "tree", "mask", "target", "accept", "compact", "other", "emit")
@@ -142,8 +143,7 @@ def main(argv=None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=48)
     args = parser.parse_args(argv)
     model, tokenizer, head = dart_hf.load_default()
-    with open(DATA / "mt_bench_questions.jsonl", encoding="utf-8") as fh:
-        texts = [json.loads(line)["turns"][0] for line in fh if line.strip()][: args.prompts]
+    texts = load_prompt_sets(DATA_DIR, args.prompts, ["mt_bench"])["mt_bench"]
     ops, syncs = [], []
     for text in texts:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,

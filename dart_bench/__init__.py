@@ -31,7 +31,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import random
 import statistics
 import time
 from pathlib import Path
@@ -46,9 +45,7 @@ from dart_core.errors import DartInputError
 METHODS = ("plain", "prompt_lookup", "dart_tree", "dart_chain", "eagle3")
 PROMPT_SETS = ("mt_bench", "humaneval", "gsm8k")
 PROMPT_LOOKUP_TOKENS = 10
-# the distillation (dart_train.prompts.mixed_prompts, seed 0) reaches the end of its shuffled GSM8K list last; the
-# benchmark's GSM8K slice is taken from that end, so a head trained on a prefix of the order has not seen it
-GSM8K_SHUFFLE_SEED = 0
+DATA_DIR = Path(__file__).resolve().parent / "data"  # the shipped prompt sets (see data/README.md)
 # EAGLE3-style drafter searches the bench calibrates (TreeConfig topk, max_depth): its drafting cost grows with both,
 # so the best setting depends on the machine like DART's node count does (EAGLE-2's GPU default is topk 10, depth 7)
 EAGLE3_SEARCHES = ({"topk": 1, "max_depth": 3}, {"topk": 2, "max_depth": 3}, {"topk": 4, "max_depth": 3},
@@ -66,23 +63,24 @@ def _read_jsonl(path: Path) -> list[dict]:
         raise DartInputError(f"{path}: not a JSON-lines file ({err})") from None
 
 
+def read_prompt_rows(name: str, data_dir: str | Path = DATA_DIR) -> list[dict]:
+    """The rows of one prompt file of `data_dir` (default: the sets shipped in `dart_bench/data/`): `name` is
+    mt_bench_questions, humaneval or gsm8k."""
+    return _read_jsonl(Path(data_dir) / f"{name}.jsonl")
+
+
 def load_prompt_sets(data_dir: str | Path, per_set: int, sets: Sequence[str] = PROMPT_SETS) -> dict[str, list[str]]:
-    """The first `per_set` MT-Bench first turns / HumanEval prompts, and `per_set` GSM8K training questions from the
-    end of the distillation order (held out from the shipped head's data)."""
-    data = Path(data_dir)
+    """The first `per_set` prompts of each set: MT-Bench first turns, HumanEval prompts, GSM8K questions (the shipped
+    slice is the end of the distillation order, held out from heads trained on a prefix of it)."""
     unknown = sorted(set(sets) - set(PROMPT_SETS))
     if unknown:
         raise DartInputError(f"unknown prompt set(s) {unknown}; known: {', '.join(PROMPT_SETS)}")
+    fields = {"mt_bench": ("mt_bench_questions", lambda r: r["turns"][0]),
+              "humaneval": ("humaneval", lambda r: r["prompt"]), "gsm8k": ("gsm8k", lambda r: r["question"])}
     out = {}
     for name in sets:
-        if name == "mt_bench":
-            out[name] = [row["turns"][0] for row in _read_jsonl(data / "mt_bench_questions.jsonl")][:per_set]
-        elif name == "humaneval":
-            out[name] = [row["prompt"] for row in _read_jsonl(data / "humaneval.jsonl")][:per_set]
-        else:
-            questions = [row["question"] for row in _read_jsonl(data / "gsm8k_train.jsonl")]
-            random.Random(GSM8K_SHUFFLE_SEED).shuffle(questions)  # the order dart_train.prompts uses
-            out[name] = questions[::-1][:per_set]
+        file, field = fields[name]
+        out[name] = [field(row) for row in read_prompt_rows(file, data_dir)][:per_set]
     return out
 
 

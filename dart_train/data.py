@@ -13,7 +13,7 @@ import os
 import zipfile
 import zlib
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterator, Optional, Sequence
 
 import numpy as np
 import torch
@@ -75,8 +75,10 @@ def read_shard(file: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 @torch.no_grad()
 def distill(model, tokenizer, prompts: Sequence[str], out_dir: str | os.PathLike, batch_size: int = 16,
-            max_new_tokens: int = 256, progress: bool = True) -> int:
-    """Answer `prompts` with `model` itself (greedy, chat template), one shard per batch; returns shards written.
+            max_new_tokens: int = 256, progress: bool = True, sampling: Optional[dict] = None) -> int:
+    """Answer `prompts` with `model` itself (chat template), one shard per batch; returns shards written. Greedy, or
+    sampled with `sampling` = {"temperature", "top_p", "seed"} (batch i seeded with seed + i, so a resumed run draws
+    what an uninterrupted one would).
 
     Resumable: shards already present are skipped, so re-running continues where an interrupted run stopped. What
     the shards answer is recorded in `DISTILL_MANIFEST` (a hash of the prompts, batch size and answer length); a
@@ -84,7 +86,7 @@ def distill(model, tokenizer, prompts: Sequence[str], out_dir: str | os.PathLike
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    check_distill_manifest(out, prompts, batch_size, max_new_tokens)
+    check_distill_manifest(out, prompts, batch_size, max_new_tokens, sampling)
     tokenizer.padding_side = "left"
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     batches = [prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size)]
@@ -98,8 +100,12 @@ def distill(model, tokenizer, prompts: Sequence[str], out_dir: str | os.PathLike
         texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                                tokenize=False) for p in batch]
         enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-        result = model.generate(**enc.to(model.device), max_new_tokens=max_new_tokens, do_sample=False,
-                                pad_token_id=pad).cpu()
+        decoding = dict(do_sample=False)
+        if sampling:
+            torch.manual_seed(sampling["seed"] + index)
+            decoding = dict(do_sample=True, temperature=sampling["temperature"], top_p=sampling["top_p"], top_k=0)
+        result = model.generate(**enc.to(model.device), max_new_tokens=max_new_tokens, pad_token_id=pad,
+                                **decoding).cpu()
         enc = enc.to("cpu")
         sequences, prompt_lengths = [], []
         width = enc["input_ids"].shape[1]
@@ -120,11 +126,14 @@ def distill(model, tokenizer, prompts: Sequence[str], out_dir: str | os.PathLike
 DISTILL_MANIFEST = "distill.json"
 
 
-def check_distill_manifest(out: Path, prompts: Sequence[str], batch_size: int, max_new_tokens: int) -> None:
+def check_distill_manifest(out: Path, prompts: Sequence[str], batch_size: int, max_new_tokens: int,
+                           sampling: Optional[dict] = None) -> None:
     """Record what a distillation into `out` answers, or check that the shards already there answer the same."""
     digest = hashlib.sha256(json.dumps(list(prompts)).encode("utf-8")).hexdigest()
     manifest = {"prompts_sha256": digest, "prompts": len(prompts), "batch_size": batch_size,
                 "max_new_tokens": max_new_tokens}
+    if sampling:
+        manifest["sampling"] = dict(sampling)
     file = out / DISTILL_MANIFEST
     if file.is_file():
         try:
@@ -132,7 +141,7 @@ def check_distill_manifest(out: Path, prompts: Sequence[str], batch_size: int, m
         except (OSError, ValueError) as err:
             raise DartInputError(f"{file}: unreadable ({err}); remove it only if the shards beside it are disposable")
         if saved != manifest:
-            changed = [k for k in manifest if saved.get(k) != manifest[k]]
+            changed = [k for k in {**saved, **manifest} if saved.get(k) != manifest.get(k)]
             raise DartInputError(f"{out} holds shards of another distillation (different {', '.join(changed)}); "
                                  "write into a new --out directory")
         return

@@ -6,8 +6,9 @@
 #
 #   scripts/train_smollm2_head.sh OUT [BUDGET_SECONDS] [more `dart-spec train` arguments, which win]
 #
-# Environment: DEVICE (auto), GSM8K (../shared/data/gsm8k_train.jsonl), EXTRA_DATA (space-separated shard
-# directories, e.g. "$(echo ../shared/data/smollm2-distill/*)"), DISTILL_LIMIT (all prompts), DISTILL_BATCH (1280),
+# Environment: GSM8K (required: GSM8K's train.jsonl), DEVICE (auto), EXTRA_DATA (space-separated shard
+# directories, e.g. "$(echo data/smollm2-distill/*)", made as docs/training.md says), DISTILL_LIMIT (all prompts),
+# DISTILL_BATCH (1280),
 # MAX_NEW_TOKENS (256), DART_SPEC (dart-spec). Re-running resumes the distillation (existing shards are kept);
 # the training directory OUT/run must not exist yet.
 set -euo pipefail
@@ -17,7 +18,7 @@ budget=${2:-480}
 shift $(( $# < 2 ? $# : 2 ))
 dart_spec=${DART_SPEC:-dart-spec}
 device=${DEVICE:-auto}
-gsm8k=${GSM8K:-../shared/data/gsm8k_train.jsonl}
+gsm8k=${GSM8K:?set GSM8K to the path of GSM8K train.jsonl (OpenAI grade-school-math)}
 limit=()
 [ -n "${DISTILL_LIMIT:-}" ] && limit=(--limit "$DISTILL_LIMIT")
 [ -e "$out/run" ] && { echo "train_smollm2_head.sh: $out/run exists; choose a new OUT" >&2; exit 2; }

@@ -4,20 +4,22 @@ report files, bad input; and the GPU projection script on CPU with small shapes.
 from __future__ import annotations
 
 import json
-import random
+import re
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 import dart_hf
-from dart_bench import BenchConfig, load_prompt_sets, markdown_table, run_bench, summarize, write_report
+from dart_bench import (DATA_DIR, BenchConfig, load_prompt_sets, markdown_table, read_prompt_rows, run_bench,
+                        summarize, write_report)
 from dart_cli.main import main
 from dart_core import Eagle3Head
 from hf_models import random_head, tiny_target
 
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+REPO = Path(__file__).resolve().parents[1]
+BENCHMARKS = REPO / "benchmarks"
 
 
 @pytest.fixture(scope="module")
@@ -84,20 +86,30 @@ def test_summary_formulas_hand_case():
     assert "identical" not in dart and "| s | dart_tree |" in markdown_table(summarize(records))
 
 
-@pytest.mark.skipif(not (DATA / "gsm8k_train.jsonl").is_file(), reason="../shared/data is not present")
-def test_prompt_sets_and_the_held_out_gsm8k_slice():
-    from dart_train.prompts import math_prompts
-
-    sets = load_prompt_sets(DATA, 5)
+def test_the_shipped_prompt_sets_and_their_licences():
+    sets = load_prompt_sets(DATA_DIR, 5)
     assert [len(v) for v in sets.values()] == [5, 5, 5]
     assert sets["mt_bench"][0].startswith("Compose an engaging travel blog post")
     assert sets["humaneval"][0].startswith("from typing import List")
-    shuffled = math_prompts(DATA / "gsm8k_train.jsonl")
-    random.Random(0).shuffle(shuffled)  # the order dart_train.prompts.mixed_prompts(seed=0) distills them in
-    assert sets["gsm8k"] == shuffled[::-1][:5]
-    assert not set(sets["gsm8k"]) & set(shuffled[:7000])
+    assert all(isinstance(q, str) and q for q in sets["gsm8k"])
+    sizes = {name: len(read_prompt_rows(name)) for name in ("mt_bench_questions", "humaneval", "gsm8k")}
+    assert sizes == {"mt_bench_questions": 80, "humaneval": 40, "gsm8k": 100}
+    assert all(read_prompt_rows("gsm8k")[i]["answer"] for i in range(3))  # the harness benchmarks' solved shots
+    listed = (DATA_DIR / "README.md").read_text(encoding="utf-8")
+    for name in ("LICENSE.gsm8k", "LICENSE.humaneval", "Apache-2.0"):
+        assert name in listed and (not name.startswith("LICENSE") or (DATA_DIR / name).is_file())
     with pytest.raises(ValueError, match="unknown prompt set"):
-        load_prompt_sets(DATA, 1, ["nope"])
+        load_prompt_sets(DATA_DIR, 1, ["nope"])
+
+
+def test_no_file_of_the_project_names_the_data_beside_the_checkout():
+    """A user's clone has nothing beside it: no tracked file may point at the data folder beside this checkout."""
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout
+    beside = "shared"  # spelled apart so that this file does not name it either
+    pattern = re.compile(("\\.\\./" + beside + "|" + beside + "/data|parent / \"" + beside + "\"").encode())
+    named = [f for f in listed.decode().split("\0") if f and (REPO / f).is_file()
+             and pattern.search((REPO / f).read_bytes())]
+    assert named == []
 
 
 def test_bench_config_and_cli_refuse_bad_input(tmp_path, capsys):

