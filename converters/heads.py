@@ -181,8 +181,7 @@ def convert_official(src: PathLike, dst: PathLike, ngram: Optional[PathLike] = N
     head.tree_config = tree = tree_with_eos(head.tree_config, eos, explicit=eos_token_id is not None,
                                             draft_vocab_size=head.config.draft_vocab_size)
 
-    sources = [src] + ([os.fspath(ngram)] if ngram is not None else [])
-    with staged_directory(dst, force, sources) as tmp:
+    with staged_directory(dst, force, [src, ngram, target]) as tmp:
         _save_head(head, tmp, out_dtype)
         if ngram is not None:
             summary["ngram"] = convert_trie(ngram, os.path.join(tmp, NGRAM_NAME), vocab_size=head.config.vocab_size,

@@ -20,9 +20,9 @@ def add_bench(sub) -> None:
                     "GSM8K prompts at each temperature; every prompt runs all methods back to back. Writes "
                     "results.json, table.md, speedup.png and breakdown.png into --out.")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory")
-    p.add_argument("--data", default="../shared/data", metavar="DIR",
-                   help="directory with mt_bench_questions.jsonl, humaneval.jsonl, gsm8k_train.jsonl "
-                        "(default ../shared/data)")
+    p.add_argument("--data", metavar="DIR",
+                   help="directory with mt_bench_questions.jsonl, humaneval.jsonl and gsm8k.jsonl (default: the "
+                        "sets shipped in dart_bench/data)")
     p.add_argument("--sets", nargs="+", choices=PROMPT_SETS, default=list(PROMPT_SETS), help="prompt sets")
     p.add_argument("--per-set", type=int, default=6, help="prompts per set (default 6)")
     p.add_argument("--methods", nargs="+", choices=METHODS,
@@ -40,7 +40,7 @@ def add_bench(sub) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed base (default 0)")
     p.add_argument("--no-charts", action="store_false", dest="charts", help="skip the PNG charts (no matplotlib)")
-    p.set_defaults(run=_run_bench)
+    p.set_defaults(run=_run_bench, reads=("data", "head", "eagle3"), writes="out")
 
 
 def _run_bench(args: argparse.Namespace) -> int:
@@ -61,13 +61,13 @@ def _run_bench(args: argparse.Namespace) -> int:
     import torch
 
     import dart_hf
-    from dart_bench import (EAGLE3_SEARCHES, BenchConfig, calibrated_tree, load_prompt_sets, markdown_table,
+    from dart_bench import (DATA_DIR, EAGLE3_SEARCHES, BenchConfig, calibrated_tree, load_prompt_sets, markdown_table,
                             run_bench, write_report)
     from dart_core import Eagle3Head
     from dart_hf.calibration import device_name
     from dart_hf.target import plan_for
 
-    prompt_sets = load_prompt_sets(args.data, args.per_set, args.sets)
+    prompt_sets = load_prompt_sets(args.data or DATA_DIR, args.per_set, args.sets)
     config = BenchConfig(methods=tuple(methods), temperatures=tuple(args.temperatures), repeats=args.repeats,
                          max_new_tokens=args.max_new_tokens, seed=args.seed)
     model, tokenizer, head = dart_hf.load_default(args.head, use_calibration=False)

@@ -31,7 +31,7 @@ def add_convert(sub) -> None:
                         "record the taps and take the EOS id")
     o.add_argument("--eos-token-id", type=int, help="EOS id for the tree search (default: the target's)")
     _common(o)
-    o.set_defaults(run=_run_official)
+    o.set_defaults(run=_run_official, reads=("src", "ngram", "target"), writes="dst")
 
     t = kinds.add_parser(
         "trie", help="official .trie n-gram -> this project's n-gram file (streamed)",
@@ -43,7 +43,7 @@ def add_convert(sub) -> None:
     t.add_argument("--vocab-size", type=int, metavar="N",
                    help="token ids must lie below N (default: max token id + 1)")
     t.add_argument("--force", action="store_true", help="replace DST if it exists")
-    t.set_defaults(run=_run_trie)
+    t.set_defaults(run=_run_trie, reads=("src",), writes="dst")
 
     s = kinds.add_parser(
         "sglang", help="DART head directory (ours or official) -> SGLang DART plugin directory",
@@ -60,7 +60,7 @@ def add_convert(sub) -> None:
                         "default: the head directory's own")
     s.add_argument("--eos-token-id", type=int, help="EOS id for the tree search (default: the head's or target's)")
     _common(s)
-    s.set_defaults(run=_run_sglang)
+    s.set_defaults(run=_run_sglang, reads=("src", "target", "ngram"), writes="dst")
 
     e = kinds.add_parser(
         "eagle3", help="EAGLE3 head (SpecForge/SGLang layout) -> DART head for warm-start training",
@@ -71,7 +71,7 @@ def add_convert(sub) -> None:
     e.add_argument("--draft-length", type=int, required=True, metavar="D", help="DART draft length (mask rows)")
     e.add_argument("--seed", type=int, default=0, help="seed of the mask_rep initialisation (default 0)")
     _common(e)
-    e.set_defaults(run=_run_eagle3)
+    e.set_defaults(run=_run_eagle3, reads=("src",), writes="dst")
 
 
 def _common(p: argparse.ArgumentParser) -> None:

@@ -8,6 +8,7 @@ from typing import Callable, Optional
 
 from dart_core.config import TreeConfig
 from dart_core.errors import DartInputError
+from dart_core.io import refuse_overlap
 
 from dart_cli.bench import add_bench
 from dart_cli.convert import add_convert
@@ -88,6 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def read_paths(args: argparse.Namespace) -> list[str]:
+    """Every path the parsed command reads (its parser's `reads` names the arguments; lists flattened)."""
+    values = [getattr(args, name, None) for name in getattr(args, "reads", ())]
+    return [v for value in values for v in (value if isinstance(value, list) else [value]) if isinstance(v, str)]
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
@@ -95,6 +102,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.extra = extra
     try:
+        if getattr(args, "writes", None):  # one rule for every command: no input is its output or inside it
+            refuse_overlap(getattr(args, args.writes), read_paths(args))
         return args.run(args)
     except (DartInputError, OSError) as err:
         # bad input (UsageError is one), or the file system's answer about a path (missing, full, read-only); any

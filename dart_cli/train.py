@@ -18,7 +18,8 @@ from dart_core.errors import DartInputError
 def add_distill(sub) -> None:
     p = sub.add_parser(
         "distill", help="answer prompts with the target itself and store the tokens as training shards",
-        description="Self-distillation data: the target answers each prompt greedily (chat template) and the prompt "
+        description="Self-distillation data: the target answers each prompt (chat template; greedy unless "
+                    "--temperature) and the prompt "
                     "+ answer tokens go to DIR/shard-NNNNN.npz, one shard per batch. Resumable: existing shards are "
                     "skipped. With --text, raw text files are tokenised into shards instead (no generation).")
     p.add_argument("--target", default="smollm2", help="'smollm2' (default) or a local transformers model directory")
@@ -33,9 +34,14 @@ def add_distill(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=256, help="answer length limit (default 256)")
     p.add_argument("--limit", type=int, metavar="N", help="use only the first N prompts")
     p.add_argument("--seed", type=int, default=0, help="shuffle seed of --mixed (default 0)")
+    p.add_argument("--temperature", type=float, metavar="T",
+                   help="sample the answers at this temperature instead of greedy decoding")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus of the sampled answers (default 1.0)")
+    p.add_argument("--sample-seed", type=int, default=0,
+                   help="sampling seed; batch i draws with seed + i (default 0)")
     p.add_argument("--device", default="auto", help="auto (default: CUDA when available), cpu, cuda, cuda:N")
     p.add_argument("--threads", type=int, metavar="N", help="torch CPU threads")
-    p.set_defaults(run=_run_distill)
+    p.set_defaults(run=_run_distill, reads=("prompts", "mixed", "text", "target"), writes="out")
 
 
 def read_prompts(path: str, field: str) -> list[str]:
@@ -73,6 +79,11 @@ def _run_distill(args: argparse.Namespace) -> int:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
     if args.limit is not None and args.limit < 1:
         raise UsageError("--limit must be >= 1")
+    sampling = None
+    if args.temperature is not None:
+        if args.temperature <= 0 or not 0 < args.top_p <= 1:
+            raise UsageError("--temperature must be > 0 and --top-p in (0, 1]")
+        sampling = {"temperature": args.temperature, "top_p": args.top_p, "seed": args.sample_seed}
     if args.text:
         missing = [f for f in args.text if not os.path.isfile(f)]
         if missing:
@@ -93,7 +104,7 @@ def _run_distill(args: argparse.Namespace) -> int:
         prompts = prompts[: args.limit]
     model, tokenizer = load_target(args.target, device, with_tokenizer=True)
     written = distill(model, tokenizer, prompts, args.out, batch_size=args.batch_size,
-                      max_new_tokens=args.max_new_tokens)
+                      max_new_tokens=args.max_new_tokens, sampling=sampling)
     print(f"{len(prompts)} prompts: wrote {written} new shard(s) to {args.out}")
     return 0
 
@@ -184,7 +195,7 @@ def add_train(sub) -> None:
                         f"never change the weights; default {d.max_skipped_steps})")
     p.add_argument("--threads", type=int, metavar="N", help="torch CPU threads")
     p.add_argument("--no-progress", action="store_false", dest="progress", help="no progress bar")
-    p.set_defaults(run=_run_train)
+    p.set_defaults(run=_run_train, reads=("data", "target", "init_from"), writes="out")
 
 
 def _run_train(args: argparse.Namespace) -> int:
@@ -230,7 +241,7 @@ def add_ngram(sub) -> None:
     b.add_argument("--vocab-size", type=int, metavar="N", help="token ids must lie below N (default: the target's "
                                                                "vocab with --target, else max id + 1)")
     b.add_argument("--force", action="store_true", help="replace OUT if it exists")
-    b.set_defaults(run=_run_ngram_build)
+    b.set_defaults(run=_run_ngram_build, reads=("data", "text", "target"), writes="out")
 
 
 def _run_ngram_build(args: argparse.Namespace) -> int:

@@ -154,12 +154,21 @@ def _same_or_inside(path: str, other: str) -> bool:
     return same or is_inside(path, other) or is_inside(other, path)
 
 
-def check_destination(dst: str, force: bool, sources: Iterable[str] = ()) -> str:
-    """Absolute `dst` after checking it may be written: not a source (nor inside one), and absent unless `force`."""
+def refuse_overlap(dst: str | os.PathLike, sources: Iterable[Optional[str | os.PathLike]]) -> str:
+    """Absolute `dst` after checking that no existing source path is `dst`, lies inside it or holds it: the one rule
+    that keeps every input of a command from being overwritten (None entries are skipped)."""
     dst = os.path.abspath(os.fspath(dst))
     for src in sources:
         if src is not None and os.path.exists(src) and _same_or_inside(dst, os.fspath(src)):
-            raise DartInputError(f"destination {dst} is or overlaps the source {src}; choose another destination")
+            raise DartInputError(f"destination {dst} is or overlaps the source {os.fspath(src)}; "
+                                 "choose another destination")
+    return dst
+
+
+def check_destination(dst: str, force: bool, sources: Iterable[Optional[str]] = ()) -> str:
+    """Absolute `dst` after checking it may be written: no input overlaps it (`refuse_overlap`), and it is absent
+    unless `force`."""
+    dst = refuse_overlap(dst, sources)
     if os.path.lexists(dst) and not force:
         raise FileExistsError(f"destination {dst} already exists; use --force (force=True) to replace it")
     return dst

@@ -150,7 +150,7 @@ def convert_sglang(src: PathLike, dst: PathLike, target: Optional[PathLike] = No
 
     ngram_src, ngram_kind = _ngram_source(src, config, ngram, block_ngram)
     summary: dict[str, Any] = {"source": src, "dtype": dtype_name(out_dtype), "notes": [note] if note else []}
-    with staged_directory(dst, force, [src] + ([os.fspath(ngram)] if ngram is not None else [])) as tmp:
+    with staged_directory(dst, force, [src, ngram, target]) as tmp:
         state = {k: v.detach().to("cpu") for k, v in head.state_dict().items()}
         state = {k: (v.to(out_dtype) if v.is_floating_point() else v) for k, v in state.items()}
         if embed is not None:

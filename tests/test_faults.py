@@ -59,6 +59,45 @@ def test_ngram_build_never_overwrites_one_of_its_inputs(tiny_run, tmp_path, caps
     assert shard.read_bytes() == before and sorted(p.name for p in data.iterdir()) == ["shard-00000.npz"]
 
 
+# every command with its inputs: (argv template, the input that a hostile destination names)
+PROTECTED_INPUTS = [
+    (["convert", "official", "{head}", "{dst}", "--target", "{target}"], "target"),
+    (["convert", "official", "{head}", "{dst}"], "head"),
+    (["convert", "sglang", "{head}", "{dst}", "--target", "{target}", "--num-target-layers", "4"], "target"),
+    (["convert", "eagle3", "{head}", "{dst}", "--draft-length", "2"], "head"),
+    (["convert", "trie", "{prompts}", "{dst}"], "prompts"),
+    (["distill", "--target", "{target}", "--prompts", "{prompts}", "--out", "{dst}"], "prompts"),
+    (["distill", "--target", "{target}", "--prompts", "{prompts}", "--out", "{dst}"], "target"),
+    (["train", "--target", "{target}", "--data", "{data}", "--out", "{dst}"], "target"),
+    (["train", "--target", "{target}", "--data", "{data}", "--out", "{dst}", "--init-from", "{head}"], "head"),
+    (["ngram", "build", "--data", "{data}", "--out", "{dst}"], "data"),
+    (["bench", "--data", "{data}", "--out", "{dst}", "--no-calibrate"], "data"),
+    (["bench", "--head", "{head}", "--out", "{dst}", "--no-calibrate"], "head"),
+]
+
+
+@pytest.mark.parametrize("inside", [False, True], ids=["is", "inside"])
+@pytest.mark.parametrize("argv,victim", PROTECTED_INPUTS, ids=lambda v: "-".join(v[:2]) if isinstance(v, list) else v)
+def test_no_command_writes_over_or_into_a_path_it_reads(tmp_path, capsys, argv, victim, inside):
+    """`convert official SRC T --target T --force` once replaced the target's weights with the head: every path any
+    command reads is kept from being its destination, or holding it, by one rule before the command runs."""
+    from test_converters import write_official_head, write_target
+
+    paths = {"head": tmp_path / "head", "target": tmp_path / "target", "data": tmp_path / "data",
+             "prompts": tmp_path / "prompts.jsonl"}
+    write_official_head(paths["head"])
+    write_target(paths["target"])
+    (paths["target"] / "model.safetensors").write_bytes(b"the user's target weights")
+    paths["data"].mkdir()
+    (paths["data"] / "shard-00000.npz").write_bytes(b"the user's data")
+    paths["prompts"].write_text('{"prompt": "hi"}\n')
+    before = _tree(tmp_path)
+    dst = paths[victim] / "out" if inside and paths[victim].is_dir() else paths[victim]
+    force = ["--force"] if argv[0] in ("convert", "ngram", "train") else []  # the commands that replace with it
+    one_line_error([a.format(dst=dst, **paths) for a in argv] + force, capsys, "overlaps the source")
+    assert _tree(tmp_path) == before
+
+
 def _tree(path) -> dict:
     """Every file under `path` with its bytes."""
     return {str(f.relative_to(path)): f.read_bytes() for f in sorted(path.rglob("*")) if f.is_file()}

@@ -308,6 +308,19 @@ def test_cli_distill_prompts_and_text(tiny_run, tmp_path, capsys):
     assert len(rows) == 3
     assert sorted(p.name for p in out.iterdir()) == ["distill.json", "shard-00000.npz", "shard-00001.npz"]
     assert rows[0][0][: rows[0][1]].tolist() == [95, 93, 3, 94] and len(rows[0][0]) == rows[0][1] + 4
+    # sampled answers: seeded per batch (a second run draws the same), recorded, never mixed with greedy shards
+    base = ["distill", "--target", str(root / "target"), "--prompts", str(prompts), "--field", "question",
+            "--limit", "3", "--batch-size", "2", "--max-new-tokens", "4", "--temperature", "1.5", "--top-p", "0.9"]
+    for name in ("s1", "s2"):
+        assert main(base + ["--out", str(tmp_path / name), "--sample-seed", "7"]) == 0
+    sampled = [t.tolist() for t, _ in read_shards(tmp_path / "s1")]
+    assert sampled == [t.tolist() for t, _ in read_shards(tmp_path / "s2")]
+    assert sampled != [t.tolist() for t, _ in rows]  # a control: sampling at temperature 1.5 left greedy's answers
+    recorded = json.loads((tmp_path / "s1" / "distill.json").read_text())
+    assert recorded["sampling"] == {"temperature": 1.5, "top_p": 0.9, "seed": 7}
+    capsys.readouterr()
+    assert main(base + ["--out", str(out)]) == 2  # the greedy shards above are not continued with samples
+    assert "sampling" in capsys.readouterr().err
     text = tmp_path / "corpus.txt"
     text.write_text("hello w1 w2 w3\nw4 world\n\n\nw7 w7 w7 w8\n")
     assert main(["distill", "--target", str(root / "target"), "--out", str(tmp_path / "text"), "--text",
@@ -323,7 +336,7 @@ def test_cli_distill_prompts_and_text(tiny_run, tmp_path, capsys):
 
 @pytest.mark.parametrize("argv,message", [
     (["train", "--data", "{missing}", "--out", "{tmp}/o"], "data directory not found"),
-    (["train", "--data", "{data}", "--out", "{tmp}/o", "--target", "{tmp}"], "target not found"),
+    (["train", "--data", "{data}", "--out", "{tmp}/o", "--target", "{empty}"], "target not found"),
     (["train", "--data", "{data}", "--out", "{tmp}/o", "--steps", "0"], "steps must be a positive integer"),
     (["train", "--data", "{data}", "--out", "{tmp}/o", "--gamma", "1.5"], "gamma must be in"),
     (["train", "--data", "{empty}", "--out", "{tmp}/o", "--target", "{target}"], "no data shards"),
