@@ -1,12 +1,14 @@
-"""The target forward over k new tokens with F.linear vs the few-row product (`dart_core.matmul`), and a one-token
-forward with its product computed as two rows (what plain decoding would get from the same kernel).
+"""The tree loop's target forward over k new tokens with each CPU product for its linear layers, per dtype.
 
-    python benchmarks/bench_few_row_matmul.py --threads 1 2 --json benchmarks/results/few_row_matmul.json
+    python benchmarks/bench_few_row_matmul.py --dtypes float32 bfloat16 --threads 2 \
+        --json benchmarks/results/few_row_matmul.json
 
-SmolLM2-135M-Instruct fp32 on a 256-token cache, the tree loop's forward (`dart_hf.target.tree_forward`: chain
-mask, tapped hidden states); median of `--repeats` forwards per k after one warm-up, the cache cut back after each.
-`few_row` applies `W @ x.T` to every k (the loop takes it where `dart_core.matmul.transposed_is_faster` measures it faster),
-so the table shows where the break-even lies; `one_row_as_two` is the benchmarks' kernel control for plain decoding.
+SmolLM2-135M-Instruct on a 256-token cache, the tree loop's forward (chain mask, tapped hidden states); median of
+`--repeats` forwards per k after one warm-up, the cache cut back after each. Products: `f_linear` (the layers' own,
+`F.linear`), `transposed` (`W @ x.T`), `mkl_packed` (MKL's packed weights for the row count, float32 only; a packed
+copy of every weight), `onednn` (oneDNN with its own weight layout; a copy of every weight), `chosen` (what the loop
+takes: `dart_core.matmul.few_row_linear`, measured per machine, row bucket and dtype). `one_row_as_two` is the
+benchmarks' kernel control for plain decoding.
 """
 
 from __future__ import annotations
@@ -21,63 +23,98 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 import dart_hf
-from dart_core.matmul import few_row_linears, transposed_linear
+from dart_core.matmul import few_row_linear, few_row_linears, transposed_linear
+from dart_hf.calibration import device_name
 from dart_hf.target import keep_accepted_path, tree_attention_mask
 from kernel_control import one_row_as_two
 from results_io import write_results
 
-SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 16)
+SIZES = (1, 2, 3, 4, 6, 8, 16, 32, 64)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def measure(model, sizes, repeats: int, product) -> dict:
-    """{k: median ms of the tree loop's target forward over k new tokens} with `product` for every linear layer."""
+def weight_copies(make):
+    """A product that computes through `make(weight, rows)`'s copy of each weight, made once per weight and rows."""
+    copies = {}
+
+    def product(x, weight, bias):
+        rows = x.numel() // x.shape[-1]
+        key = (weight.data_ptr(), rows)
+        if key not in copies:
+            copies[key] = make(weight, rows)
+        return copies[key](x.reshape(rows, x.shape[-1]), bias).view(*x.shape[:-1], weight.shape[0])
+
+    return product
+
+
+def mkl_packed(weight, rows):
+    packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
+    return lambda x, bias: torch.ops.mkl._mkl_linear(x, packed, weight, bias, rows)
+
+
+def onednn(weight, rows):
+    blocked = weight.to_mkldnn()
+    return lambda x, bias: torch._C._nn.mkldnn_linear(x.to_mkldnn(), blocked, bias).to_dense()
+
+
+def products(dtype) -> dict:
+    out = {"f_linear": F.linear, "transposed": transposed_linear, "onednn": weight_copies(onednn),
+           "chosen": few_row_linear}
+    if dtype == torch.float32 and torch._C.has_mkl:
+        out["mkl_packed"] = weight_copies(mkl_packed)
+    return out
+
+
+def measure(model, sizes, repeats: int, named_products: dict) -> dict:
+    """{product name: {k: median ms of the tree loop's target forward over k new tokens}} with each product for every
+    linear layer; products and sizes round robin, so that a slow spell of the machine hits all alike."""
     device = next(model.parameters()).device
     cache = DynamicCache(config=model.config)
     context = torch.randint(0, 49152, (1, 256), generator=torch.Generator().manual_seed(0))
     block = torch.randint(0, 49152, (1, max(sizes)), generator=torch.Generator().manual_seed(1))
     none = torch.zeros(1, 0, dtype=torch.long)
     past = torch.ones(1, 256, dtype=torch.bool)
+    masks = {k: tree_attention_mask(torch.ones(1, k, k, dtype=torch.bool).tril(), past, model.dtype).to(device)
+             for k in sizes}
+    times = {name: {k: [] for k in sizes} for name in named_products}
     with torch.no_grad():
         model(input_ids=context, past_key_values=cache, use_cache=True)
-        out = {}
-        for k in sizes:
-            mask = tree_attention_mask(torch.ones(1, k, k, dtype=torch.bool).tril(), past, torch.float32).to(device)
-            positions = torch.arange(256, 256 + k)[None]
-            times = []
-            for i in range(repeats + 1):
-                t0 = time.perf_counter()
-                with few_row_linears(model, product=product):  # the loop's tree forward, with `product`
-                    model(input_ids=block[:, :k], position_ids=positions, attention_mask=mask, past_key_values=cache,
-                          use_cache=True, output_hidden_states=[2, 15, 27])
-                elapsed = time.perf_counter() - t0
-                keep_accepted_path(cache, 256, none)
-                if i:
-                    times.append(elapsed)
-            out[k] = statistics.median(times) * 1e3
-    return out
+        for i in range(repeats + 1):
+            for name, product in named_products.items():
+                for k in sizes:
+                    positions = torch.arange(256, 256 + k)[None]
+                    t0 = time.perf_counter()
+                    with few_row_linears(model, product=product):  # the loop's tree forward, with `product`
+                        model(input_ids=block[:, :k], position_ids=positions, attention_mask=masks[k],
+                              past_key_values=cache, use_cache=True, output_hidden_states=[2, 15, 27])
+                    elapsed = time.perf_counter() - t0
+                    keep_accepted_path(cache, 256, none)
+                    if i:
+                        times[name][k].append(elapsed)
+    return {name: {k: statistics.median(v) * 1e3 for k, v in row.items()} for name, row in times.items()}
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--threads", type=int, nargs="+", default=[2])
+    parser.add_argument("--dtypes", nargs="+", choices=tuple(DTYPES), default=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--json", help="write results here")
     args = parser.parse_args(argv)
     model, _ = dart_hf.load_smollm2()
-    results = {"sizes": list(SIZES), "repeats": args.repeats, "runs": {}}
-    for threads in args.threads:
-        torch.set_num_threads(threads)
-        row = {}
-        for name, product, sizes in (("f_linear", F.linear, SIZES), ("few_row", transposed_linear, SIZES),
-                                     ("one_row_as_two", one_row_as_two, (1,))):
-            row[name] = measure(model, sizes, args.repeats, product)
-        results["runs"][str(threads)] = row
-        print(f"{threads} thread(s), ms per forward over k tokens:")
-        print("  k        " + " ".join(f"{k:>5d}" for k in SIZES))
-        for name in ("f_linear", "few_row"):
-            print(f"  {name:8s} " + " ".join(f"{row[name][k]:5.1f}" for k in SIZES))
-        print(f"  one token as a two-row product: {row['one_row_as_two'][1]:.1f} ms "
-              f"(F.linear {row['f_linear'][1]:.1f} ms)")
+    results = {"sizes": list(SIZES), "repeats": args.repeats, "machine": device_name(torch.device("cpu")),
+               "runs": {}}
+    for dtype_name in args.dtypes:
+        model.to(DTYPES[dtype_name])
+        for threads in args.threads:
+            torch.set_num_threads(threads)
+            row = measure(model, SIZES, args.repeats, products(DTYPES[dtype_name]))
+            row.update(measure(model, (1,), args.repeats, {"one_row_as_two": one_row_as_two, "f_linear_1": F.linear}))
+            results["runs"][f"{dtype_name}/{threads}"] = row
+            print(f"{dtype_name}, {threads} thread(s), ms per forward over k tokens:")
+            print("  k           " + " ".join(f"{k:>6d}" for k in SIZES))
+            for name in row:
+                print(f"  {name:11s} " + " ".join(f"{row[name][k]:6.1f}" for k in row[name]))
     if args.json:
         write_results(args.json, results)
     return 0

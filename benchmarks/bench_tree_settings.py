@@ -74,7 +74,7 @@ def main(argv=None) -> int:
     if missing:
         parser.error(f"n-gram file(s) not found: {', '.join(missing)}")
     torch.set_num_threads(args.threads)
-    model, tokenizer, head = dart_hf.load_default(args.head, use_calibration=False)
+    model, tokenizer, head = dart_hf.load_default(args.head)
     questions = load_prompt_sets(DATA_DIR, args.gsm8k, ["gsm8k"])["gsm8k"]
     prompts = encode_prompts(tokenizer, list(questions) + list(OWN_PROMPTS))
     base = base_tree_config(model, head)

@@ -156,7 +156,7 @@ def load(device: torch.device, dtype: torch.dtype):
     """(model, tokenizer, head) on `device` in `dtype`: the shipped default, its head's own tree settings."""
     from dart_hf.default import load_default
 
-    model, tokenizer, head = load_default(use_calibration=False)
+    model, tokenizer, head = load_default()
     model.to(device=device, dtype=dtype)
     head.to(device=device, dtype=dtype)
     head.eval()

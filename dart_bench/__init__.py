@@ -137,11 +137,11 @@ def generate_kwargs(method: str, drafters: dict, temperature: float) -> dict:
     if method == "prompt_lookup":
         kw["prompt_lookup_num_tokens"] = PROMPT_LOOKUP_TOKENS
     elif method == "dart_tree":
-        kw["dart_head"] = drafters["dart"]
+        kw.update(dart_head=drafters["dart"], dart_tree_config=drafters["dart"].tree_config)
     elif method == "dart_chain":
         kw["assistant_model"] = drafters["dart"]
     elif method == "eagle3":
-        kw["dart_head"] = drafters["eagle3"]
+        kw.update(dart_head=drafters["eagle3"], dart_tree_config=drafters["eagle3"].tree_config)
     elif method != "plain":
         raise ValueError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
     return kw
@@ -169,23 +169,25 @@ def run_once(model, meter: TargetMeter, ids: torch.Tensor, method: str, drafters
 def calibrated_tree(model, tokenizer, drafter, searches: Sequence[dict] = ({},), refresh: bool = False,
                     progress: Optional[bool] = True) -> tuple[TreeConfig, list[dict]]:
     """The fastest tree settings for `drafter` on this machine: for each search setting (TreeConfig overrides, e.g.
-    {"topk": 2, "max_depth": 3}) the calibrated node count (`dart_hf.calibration`, cached per setting), then the
-    setting with the best expected speedup. Returns (TreeConfig, one row per setting)."""
-    from dart_hf.calibration import base_tree_config, cached_calibration, run_calibration, save_calibration
+    {"topk": 2, "max_depth": 3}) the node count `dart_hf.calibration` chooses (the drafter's shipped acceptance curve
+    for its own settings, else one measured now; this machine's cost, cached unless `refresh`), then the setting with
+    the best expected speedup. Returns (TreeConfig, one row per setting)."""
+    from dart_hf.calibration import base_tree_config, choose, machine_cost, measure_acceptance
 
     base = base_tree_config(model, drafter)
+    shipped = drafter.acceptance
     rows, best = [], None
     for search in searches:
         drafter.tree_config = dataclasses.replace(base, **search)
-        result = None if refresh else cached_calibration(model, drafter)
-        if result is None:
-            result = run_calibration(model, tokenizer, drafter, progress=progress)
-            save_calibration(result)
-        rows.append({**search, "remain_total": result.remain_total, "expected_speedup": result.expected_speedup,
-                     "head_ms": result.head_ms, "tree_ms": result.tree_ms})
-        if best is None or result.expected_speedup > best.expected_speedup:
-            best = result
-    drafter.tree_config = best.to_tree_config()
+        measure = refresh or search or shipped is None
+        acceptance = measure_acceptance(model, tokenizer, drafter, progress=progress) if measure else shipped
+        choice = choose(acceptance, machine_cost(model, drafter, refresh=refresh, progress=progress),
+                        drafter.tree_config)
+        rows.append({**search, "remain_total": choice.remain_total, "expected_speedup": choice.expected_speedup,
+                     "head_ms": choice.cost.head_ms, "tree_ms": choice.cost.tree_ms})
+        if best is None or choice.expected_speedup > best.expected_speedup:
+            best = choice
+    drafter.tree_config = best.tree_config
     return drafter.tree_config, rows
 
 

@@ -70,7 +70,7 @@ def _run_bench(args: argparse.Namespace) -> int:
     prompt_sets = load_prompt_sets(args.data or DATA_DIR, args.per_set, args.sets)
     config = BenchConfig(methods=tuple(methods), temperatures=tuple(args.temperatures), repeats=args.repeats,
                          max_new_tokens=args.max_new_tokens, seed=args.seed)
-    model, tokenizer, head = dart_hf.load_default(args.head, use_calibration=False)
+    model, tokenizer, head = dart_hf.load_default(args.head)
     drafters = {"dart": head}
     if args.eagle3:
         param = next(model.parameters())

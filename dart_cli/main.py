@@ -11,6 +11,7 @@ from dart_core.errors import DartInputError
 from dart_core.io import refuse_overlap
 
 from dart_cli.bench import add_bench
+from dart_cli.calibrate import add_calibrate
 from dart_cli.convert import add_convert
 from dart_cli.errors import UsageError
 from dart_cli.threads import set_threads
@@ -27,12 +28,15 @@ def _add_demo(sub) -> None:
     p.add_argument("--prompt", help="the user message (chat template applied; default: a built-in question)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per completion (default 128)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs of each method, after one warm-up (default 3)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                   help="the target's dtype (default float32, where DART's output is plain's token for token; "
+                        "bfloat16 uses the CPU's bfloat16 units, and the agreement with plain is reported)")
     p.add_argument("--calibrate", action="store_true",
-                   help="measure the fastest tree size for this machine first (cached; later runs use it)")
+                   help="measure the head's acceptance curve and this machine's cost again first (about a minute)")
     p.add_argument("--head", metavar="DIR", help="a DART head directory instead of the shipped one")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--remain-total", type=int, help="draft nodes per tree (default: calibrated, else the head's; "
-                                                    "--core: 60)")
+    p.add_argument("--remain-total", type=int, help="draft nodes per tree (default: chosen for this machine, else "
+                                                    "the head's; --core: 60)")
     core = p.add_argument_group("--core (the core pipeline on an embedded random head, no model)")
     core.add_argument("--core", action="store_true", help="run the core demo instead")
     core.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
@@ -64,8 +68,8 @@ def _run_demo(args: argparse.Namespace) -> int:
         return 0
     result = model_demo(prompt=args.prompt or DEFAULT_PROMPT, max_new_tokens=args.max_new_tokens,
                         repeats=args.repeats, calibrate=args.calibrate, head_dir=args.head,
-                        remain_total=args.remain_total)
-    return 0 if result["identical"] else 1
+                        remain_total=args.remain_total, dtype=args.dtype)
+    return 0 if result["identical"] or args.dtype != "float32" else 1
 
 
 def _one_line(err: BaseException) -> str:
@@ -77,7 +81,8 @@ def _one_line(err: BaseException) -> str:
     return " ".join(text.split())
 
 
-COMMANDS: list[Callable] = [_add_demo, add_bench, add_convert, add_distill, add_train, add_ngram, add_serve]
+COMMANDS: list[Callable] = [_add_demo, add_bench, add_calibrate, add_convert, add_distill, add_train, add_ngram,
+                            add_serve]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -3,7 +3,7 @@
 Pure torch/numpy; no transformers or sglang imports.
 """
 
-from dart_core.config import DartConfig, TreeConfig, default_target_layer_ids
+from dart_core.config import AcceptanceCurve, DartConfig, TreeConfig, default_target_layer_ids
 from dart_core.eagle3 import Eagle3Head
 from dart_core.errors import DartInputError
 from dart_core.head import DartHead, DartHeadCache
@@ -12,6 +12,7 @@ from dart_core.tree import DraftTree, DraftTreeBatch, build_draft_tree, build_dr
 from dart_core.verify import VerifyResult, verify_greedy, verify_tree
 
 __all__ = [
+    "AcceptanceCurve",
     "draft_context_length",
     "DartConfig",
     "DartHead",

@@ -245,3 +245,57 @@ class TreeConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+ACCEPTANCE_KEY = "dart_acceptance"  # the head config.json key of its acceptance curve
+
+
+@dataclasses.dataclass(frozen=True)
+class AcceptanceCurve:
+    """tau(R), the tokens a greedy verify step yields with a tree of R draft nodes (1 + the accepted drafts), measured
+    for one head on one target (`dart_hf.calibration.measure_acceptance`) and shipped in the head's config.json.
+
+    tau {R: tau}; steps / new_tokens / prompts: the size of the run behind it; target: the target it was measured on
+    (a name); measured: the date."""
+
+    tau: dict
+    steps: int
+    new_tokens: int
+    prompts: int
+    target: str = ""
+    measured: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tau, dict) or not self.tau:
+            raise DartInputError("acceptance curve: tau must be a non-empty {tree size: tau} mapping")
+        try:
+            tau = {int(r): float(t) for r, t in self.tau.items()}
+        except (TypeError, ValueError) as err:
+            raise DartInputError(f"acceptance curve: malformed tau entry ({err})") from None
+        sizes = sorted(tau)
+        if sizes[0] < 1 or any(not math.isfinite(tau[r]) or tau[r] < 1.0 for r in sizes):
+            raise DartInputError("acceptance curve: tree sizes must be >= 1 and tau finite and >= 1")
+        if any(tau[a] > tau[b] + 1e-9 for a, b in zip(sizes, sizes[1:])):
+            raise DartInputError("acceptance curve: tau must not decrease with the tree size")
+        for name in ("steps", "new_tokens", "prompts"):
+            if type(getattr(self, name)) is not int or getattr(self, name) < 1:
+                raise DartInputError(f"acceptance curve: {name} must be a positive integer")
+        object.__setattr__(self, "tau", {r: tau[r] for r in sizes})
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> "AcceptanceCurve":
+        if not isinstance(raw, dict):
+            raise DartInputError(f"acceptance curve: expected an object, got {type(raw).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise DartInputError(f"acceptance curve: unknown field(s) {unknown}")
+        try:
+            return cls(**raw)
+        except TypeError as err:
+            raise DartInputError(f"acceptance curve: {err}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["tau"] = {str(r): round(t, 4) for r, t in self.tau.items()}
+        return out

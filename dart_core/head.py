@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dart_core.config import CONFIG_NAME, DartConfig, TreeConfig
+from dart_core.config import ACCEPTANCE_KEY, CONFIG_NAME, AcceptanceCurve, DartConfig, TreeConfig
 from dart_core.cuda_graph import cached_graph
 from dart_core.errors import DartInputError
 from dart_core.io import atomic_write, is_inside, load_safetensors_checked, save_safetensors_atomic
@@ -206,6 +206,7 @@ class DartHead(nn.Module):
         self._embedding_from_checkpoint = False  # a table loaded with the weights is saved with them again
         self.ngram = None
         self.tree_config: Optional[TreeConfig] = None
+        self.acceptance: Optional[AcceptanceCurve] = None  # tau(R) on its target, when measured (config.json)
         self.cuda_graphs: dict = {}  # the decoding loop's CUDA-graphed step parts, kept with the head (dart_hf.loop)
 
     def _apply(self, fn, recurse=True):
@@ -476,6 +477,11 @@ class DartHead(nn.Module):
         tree, ngram_file = config.extra.get(TREE_CONFIG_KEY), config.extra.get(NGRAM_FILE_KEY)
         if tree is not None:
             head.tree_config = TreeConfig.from_dict(tree)
+        if config.extra.get(ACCEPTANCE_KEY) is not None:
+            try:
+                head.acceptance = AcceptanceCurve.from_dict(config.extra[ACCEPTANCE_KEY])
+            except DartInputError as err:
+                raise DartInputError(f"{os.path.join(path, CONFIG_NAME)}: {ACCEPTANCE_KEY}: {err}") from None
         if load_ngram and ngram_file:
             from dart_core.ngram import NGramModel
 
@@ -500,6 +506,10 @@ class DartHead(nn.Module):
             config["architectures"] = [self.ARCHITECTURE]  # keeps e.g. an official head's own name otherwise
         if self.tree_config is not None:
             config[TREE_CONFIG_KEY] = self.tree_config.to_dict()
+        if self.acceptance is not None:
+            config[ACCEPTANCE_KEY] = self.acceptance.to_dict()
+        else:
+            config.pop(ACCEPTANCE_KEY, None)
         if self.ngram is not None:
             self.ngram.save(os.path.join(path, NGRAM_NAME))
             config[NGRAM_FILE_KEY] = NGRAM_NAME

@@ -1,18 +1,24 @@
 """A faster product for the few-row linear layers of a verify step on the CPU.
 
 A tree verify step runs every linear layer of the target on a handful of rows (the tree's nodes), and so does the
-head on its new rows and mask rows. For such inputs `F.linear` (x [M, K] @ W.T, MKL sgemm with a transposed B) can be
-slow on the CPU: on a 2-core AMD EPYC machine a SmolLM2 forward over 2-10 tokens took 55-70 ms with it, against 36 ms
-for one token, and computing the same product as `W @ x.T` (W the left operand, then transposed back) took 24-58 ms;
-on a 2-core Intel Xeon `F.linear` was the faster one (BENCHMARKS.md, "Few-row matmul"), so the choice is measured. Both are fp32 products of the same numbers, summed in
-another order: results agree to about 1e-5 relative, as any two BLAS kernels do; DART's losslessness does not rest
-on bitwise equality with plain decoding's kernels (a one-token step already uses another kernel, a matrix-vector
-product, than a tree forward).
+head on its new rows and mask rows. For such inputs `F.linear` (x [M, K] @ W.T, a GEMM with a transposed B) can be
+slow on the CPU, and computing the same product as `W @ x.T` (W the left operand, then transposed back) can be much
+faster: on 2-core AMD EPYC machines a SmolLM2 forward over 2-4 tokens took less than a one-token forward with it; on a
+2-core Intel Xeon `F.linear` was the faster one (BENCHMARKS.md, "Verify kernels"). So the choice is measured, per
+machine, thread count, dtype and row bucket. Both are products of the same numbers, summed in another order: results
+agree to rounding, as any two BLAS kernels do; DART's losslessness does not rest on bitwise equality with plain
+decoding's kernels (a one-token step already uses another kernel, a matrix-vector product, than a tree forward).
+
+The measurement streams the weights as the forward does: the layers a module registers (`install_few_row_forwards`)
+form one group, and each product is timed over all of the group's weights in turn, interleaved, a few times. Timing
+one small weight again and again would keep it in the cache and favour another kernel than a forward over hundreds
+of megabytes of weights does.
 
 `few_row_linears(*modules)` makes that product apply, within a `with` block and only in the calling thread's context,
-to every `nn.Linear` of the modules whose weight is a float32 CPU tensor, for the row counts at which it measures
-faster on this machine (`transposed_is_faster`). Inputs with one row, or with more than `MAX_ROWS`, take `F.linear`
-as before, so a plain one-token step or a prefill is unchanged.
+to every `nn.Linear` of the modules whose weight is a CPU tensor, for the row counts at which it measures faster on
+this machine (`transposed_is_faster`). Inputs with one row, or with more than `MAX_ROWS`, take `F.linear` as before,
+so a plain one-token step or a prefill is unchanged. Packed-weight products (MKL's, oneDNN's) were measured too
+(`benchmarks/bench_few_row_matmul.py`); each needs a copy of every weight, doubling the target's memory.
 
 The model is never switched back and forth: the first use installs on each `nn.Linear` whose `forward` is the class's
 own (modules wrapped by hooks that replace `forward`, e.g. accelerate's offloading, are left alone) a `FewRowForward`,
@@ -34,14 +40,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# `W @ x.T` is tried for 2..MAX_ROWS rows only (one row is a matrix-vector product either way; beyond, sgemm's
-# large-M path is fine). Which of the two products is faster depends on the CPU and its BLAS: on this project's AMD
-# EPYC machines `W @ x.T` won up to about 5 rows per thread, on an Intel Xeon (AVX-512) `F.linear` won at 2-8 rows
-# (BENCHMARKS.md, "Few-row matmul"). So it is measured, once per weight shape, row bucket and thread count.
+# `W @ x.T` is tried for 2..MAX_ROWS rows only (one row is a matrix-vector product either way; beyond, the GEMM's
+# large-M path is fine). Which of the two products is faster depends on the CPU, its BLAS and the dtype, so it is
+# measured, once per group of weights, row bucket, thread count and dtype.
 MAX_ROWS = 16
-ROW_BUCKETS = (2, 4, 8, 16)  # a row count is decided by the measurement at the first bucket bound >= it
+ROW_BUCKETS = (2, 3, 4, 6, 8, 16)  # a row count is decided by the measurement at the first bucket bound >= it
 MARGIN = 0.9  # `W @ x.T` is taken when it takes at most this fraction of `F.linear`'s time
-_FASTER: dict[tuple, bool] = {}  # (N, K, bucket, threads, dtype) -> whether `W @ x.T` is the faster product
+REPEATS = 5  # timed passes of each product (after one warm-up pass), interleaved
+_FASTER: dict[tuple, bool] = {}  # a weight outside any group: (N, K, bucket, threads, dtype) -> `W @ x.T` faster
 
 
 def transposed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -53,29 +59,67 @@ def transposed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
-def _median_seconds(fn: Callable, repeats: int = 3) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[repeats // 2]
+class LinearGroup:
+    """The `nn.Linear` layers one module registered (a target, a head), and for each (row bucket, threads, dtype)
+    whether `W @ x.T` is the faster product over their weights."""
+
+    def __init__(self, layers: list[nn.Linear]) -> None:
+        self._layers = [weakref.ref(layer) for layer in layers]
+        self.faster: dict[tuple, bool] = {}
+
+    def weights(self) -> list[torch.Tensor]:
+        return [layer.weight for layer in (ref() for ref in self._layers) if layer is not None]
+
+
+# id(weight) -> (a weak reference to the weight, its group); a tensor's `==` is elementwise, so no WeakKeyDictionary
+_GROUPS: dict[int, tuple[weakref.ref, LinearGroup]] = {}
+
+
+def _register(weight: torch.Tensor, group: LinearGroup) -> None:
+    key = id(weight)
+
+    def forget(ref: weakref.ref) -> None:  # the weight is gone; a newer entry under the same id stays
+        if _GROUPS.get(key, (None,))[0] is ref:
+            del _GROUPS[key]
+
+    _GROUPS[key] = (weakref.ref(weight, forget), group)
+
+
+def group_of(weight: torch.Tensor) -> Optional[LinearGroup]:
+    """The group `weight` was registered in, or None."""
+    entry = _GROUPS.get(id(weight))
+    return entry[1] if entry is not None and entry[0]() is weight else None
+
+
+def _median_pass_seconds(products: list[Callable], weights: list[torch.Tensor], rows: int) -> list[float]:
+    """Median seconds of one pass of each product over all `weights` with `rows` random rows, the products
+    interleaved (so that a slow spell of the machine hits both alike), after a warm-up pass each."""
+    inputs = {k: torch.randn(rows, k, dtype=weights[0].dtype) for k in {int(w.shape[1]) for w in weights}}
+    times: list[list[float]] = [[] for _ in products]
+    with torch.no_grad():
+        for round_ in range(REPEATS + 1):
+            for i, product in enumerate(products):
+                t0 = time.perf_counter()
+                for w in weights:
+                    product(inputs[int(w.shape[1])], w, None)
+                if round_:
+                    times[i].append(time.perf_counter() - t0)
+    return [sorted(t)[len(t) // 2] for t in times]
 
 
 def transposed_is_faster(weight: torch.Tensor, rows: int) -> bool:
     """Whether `W @ x.T` beats `F.linear` for `rows` (2..MAX_ROWS) rows through `weight` on this machine with the
-    current thread count: measured on random rows (the row bucket's bound) at the first call for each weight shape
-    and bucket, then remembered for the process."""
+    current thread count and the weight's dtype: measured at the first call for the row bucket over all weights of
+    the weight's group (`LinearGroup`; a weight outside one alone), then remembered for the process."""
     bucket = next(b for b in ROW_BUCKETS if b >= rows)
-    key = (*weight.shape, bucket, torch.get_num_threads(), weight.dtype)
-    faster = _FASTER.get(key)
+    group = group_of(weight)
+    table, key = (group.faster, (bucket, torch.get_num_threads(), weight.dtype)) if group is not None else \
+        (_FASTER, (*weight.shape, bucket, torch.get_num_threads(), weight.dtype))
+    faster = table.get(key)
     if faster is None:
-        with torch.no_grad():
-            x = torch.randn(bucket, weight.shape[1], dtype=weight.dtype)
-            plain = _median_seconds(lambda: F.linear(x, weight))
-            transposed = _median_seconds(lambda: transposed_linear(x, weight, None))
-        faster = _FASTER[key] = transposed <= MARGIN * plain
+        weights = group.weights() if group is not None else [weight]
+        plain, transposed = _median_pass_seconds([F.linear, transposed_linear], weights, bucket)
+        faster = table[key] = transposed <= MARGIN * plain
     return faster
 
 
@@ -105,30 +149,36 @@ class FewRowForward:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         product = _PRODUCT.get()
         layer = self.layer
-        if product is None or layer.weight.device.type != "cpu" or layer.weight.dtype != torch.float32:
+        if product is None or layer.weight.device.type != "cpu":
             return F.linear(x, layer.weight, layer.bias)
         return product(x, layer.weight, layer.bias)
 
 
 def install_few_row_forwards(*modules: nn.Module) -> None:
-    """Give every `nn.Linear` of `modules` whose `forward` is the class's own a `FewRowForward` (the walk once per
-    module; idempotent, safe to race)."""
+    """Give every `nn.Linear` of `modules` whose `forward` is the class's own a `FewRowForward`, and register each
+    module's layers as one `LinearGroup` (the walk once per module; idempotent, safe to race)."""
     if all(module in _INSTALLED for module in modules):
         return
     with _INSTALL_LOCK:
         for module in modules:
             if module in _INSTALLED:
                 continue
-            for m in module.modules():
-                if type(m) is nn.Linear and "forward" not in m.__dict__:
+            layers = [m for m in module.modules() if type(m) is nn.Linear
+                      and ("forward" not in m.__dict__ or isinstance(m.__dict__["forward"], FewRowForward))]
+            for m in layers:
+                if "forward" not in m.__dict__:
                     m.forward = FewRowForward(m)
+            group = LinearGroup(layers)
+            for m in layers:
+                _register(m.weight, group)
             _INSTALLED.add(module)
 
 
 @contextlib.contextmanager
 def few_row_linears(*modules: nn.Module, product: Callable = few_row_linear) -> Iterator[None]:
-    """Within the block, in this context only, the `nn.Linear` layers of `modules` with float32 CPU weights compute
-    through `product(x, weight, bias)` (default: few-row inputs as `W @ x.T`; benchmarks pass other products)."""
+    """Within the block, in this context only, the `nn.Linear` layers of `modules` with CPU weights compute through
+    `product(x, weight, bias)` (default: few-row inputs as `W @ x.T` where that measures faster; benchmarks pass
+    other products)."""
     install_few_row_forwards(*modules)
     token = _PRODUCT.set(product)
     try:

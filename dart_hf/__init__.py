@@ -9,11 +9,12 @@
   `DartCandidateGenerator` (a linear chain per step).
 - `dart_decoding`: the tree loop as a `custom_generate` callable for models that are not enabled.
 - `load_smollm2()`: the offline SmolLM2-135M-Instruct target; `load_default()`: it plus the shipped DART head.
-- `calibrate(model, tokenizer, head)` / `tuned_tree_config(...)`: the tree size that decodes fastest on this machine
-  (measured, cached; module `dart_hf.calibration`).
+- `tree_choice(model, head)`: the tree size that decodes fastest here, from the head's shipped acceptance curve and
+  this machine's cost (measured at the first call, cached); every DART call without `dart_tree_config` uses it.
+  `calibrate(model, tokenizer, head)` measures a head's acceptance curve (module `dart_hf.calibration`).
 """
 
-from dart_hf.calibration import Calibration, cached_calibration, calibrate, tuned_tree_config
+from dart_hf.calibration import MachineCost, TreeChoice, calibrate, tree_choice
 from dart_hf.candidate import DartCandidateGenerator
 from dart_hf.default import load_default
 from dart_hf.enable import DartFallbackWarning, DartGenerationMixin, enable
@@ -21,6 +22,6 @@ from dart_hf.loop import DartStats, dart_decoding, last_stats
 from dart_hf.outputs import DartGenerateOutput
 from dart_hf.smollm2 import load_smollm2
 
-__all__ = ["Calibration", "DartCandidateGenerator", "DartFallbackWarning", "DartGenerateOutput",
-           "DartGenerationMixin", "DartStats", "cached_calibration", "calibrate", "dart_decoding", "enable",
-           "last_stats", "load_default", "load_smollm2", "tuned_tree_config"]
+__all__ = ["DartCandidateGenerator", "DartFallbackWarning", "DartGenerateOutput", "DartGenerationMixin", "DartStats",
+           "MachineCost", "TreeChoice", "calibrate", "dart_decoding", "enable", "last_stats", "load_default",
+           "load_smollm2", "tree_choice"]

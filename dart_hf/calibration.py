@@ -1,42 +1,39 @@
-"""Tree budget calibration: the number of draft nodes (`TreeConfig.remain_total`) that decodes fastest on this
-machine, for this target and this head, measured once and cached.
+"""The tree size (`TreeConfig.remain_total`) that decodes fastest on this machine, chosen from the first call.
 
-A bigger tree accepts more tokens per step but costs a bigger verify forward. On a GPU a forward over 61 tokens
-costs about as much as one over 1 token, so the reference's 60 nodes are right; on a CPU the 60-node tree costs several
-times a single-token step and a much smaller tree wins. The rule:
+A bigger tree accepts more tokens per step but costs a bigger verify forward. On a GPU a forward over 61 tokens costs
+about as much as one over 1 token; on a CPU it can cost several times a single-token step, and whether any tree pays
+depends on the CPU, the dtype and the thread count. The choice splits along what each part depends on:
 
-Acceptance, tau(R). The beam search's pool does not depend on `remain_total`: a tree of R draft nodes is exactly the
-best R pool entries by score (ties: pool order), i.e. the nodes of the R_max-node tree whose selection rank
-(`dart_core.tree.score_ranks`: 0-based position among the draft nodes sorted by score descending, ties by node
-order) is below R. Scores never increase from a node to its children, so ranks increase along every root-to-leaf
-path, and greedy verification of the R-node tree accepts exactly the leading nodes of the R_max tree's accepted path
-whose rank is < R. One greedy run with a large tree (R_max = 60) that records these ranks at every verify step
-(`DartStats.accepted_ranks`) therefore tells, for every step and every R <= R_max, what a tree of R nodes would have
-accepted from the same state, and
+Acceptance, tau(R): the head and the target only, so it is measured once when a head is made (`measure_acceptance`,
+`dart-spec calibrate`, `dart-spec train`) and shipped in the head's config.json (`dart_core.AcceptanceCurve`). The
+beam search's pool does not depend on `remain_total`: a tree of R draft nodes is exactly the best R pool entries by
+score (`dart_core.tree.score_ranks`), ranks increase along every root-to-leaf path, and greedy verification of the
+R-node tree accepts exactly the leading nodes of the R_max tree's accepted path whose rank is < R. One greedy run with
+a large tree (R_max = 60) that records these ranks (`DartStats.accepted_ranks`) therefore gives
 
     tau(R) = 1 + mean over steps of #(leading accepted nodes with rank < R)           (`DartStats.tau_at`)
 
-Per step this is exact (greedy; tested against real R-node runs from the same states). Over a whole run it is an
-estimate: a smaller tree accepts less, so its later steps start at other positions than the R_max run's.
+exactly per step (tested against real R-node runs from the same states); over a run it is an estimate, since a
+smaller tree's later steps start elsewhere.
 
-Latency. `t_verify(k)`: one target forward over k new tokens on a cache of `context_length` (256) tokens, the way the
-tree loop runs it (4D tree mask, tapped hidden states), median of `repeats`, measured at k = 1, 2, 4, ..., 64 (and
-R_max + 1), made non-decreasing in k (pool-adjacent-violators: a dip is noise) and interpolated linearly. The head
-forward, the tree search and the rest of a verify step (acceptance, KV compaction) are taken per step from the
-calibration run (they hardly depend on R).
-`t_plain`: one plain forward over 1 token on the same cache (a step of ordinary decoding).
+Cost: the machine, dtype, threads, target and head, so it is measured at first use in a few seconds
+(`measure_machine_cost`, one line on stderr) and cached. `t_verify(k)`: one target forward over k new tokens on a
+256-token cache, the way the tree loop runs it (4D tree mask, tapped hidden states, its kernels), at k = 1, 2, 4, ...,
+R_max + 1, made non-decreasing in k (pool-adjacent-violators: a dip is noise) and interpolated linearly; `t_plain`:
+one plain 1-token forward on the same cache; the head forward, tree search and the rest of a step (acceptance, cache
+compaction) per step from a short DART run (they hardly depend on R).
 
-Choice. R* = argmax over candidate R of  tau(R) / (t_head + t_tree + t_rest + t_verify(R + 1))  (tokens per
-second; ties: the smaller R), and the expected speedup over plain decoding is that rate times t_plain.
+Choice. R* = argmax over the curve's R of  tau(R) / (t_head + t_tree + t_rest + t_verify(R + 1))  (ties: the smaller
+R); the expected speedup over plain decoding is that rate times t_plain. Where it is below 1, no tree pays on this
+machine: a head attached with `dart_hf.enable` decodes plain (one `DartFallbackWarning` with the numbers).
 
-Cache. The result is a JSON file in `$DART_SPEC_CACHE/calibration/` (default `~/.cache/dart-spec/calibration/`),
-named by a hash of: the device (CPU model string and core count, or CUDA device name), torch's thread count, the
-target (config, dtype, attention implementation) and the head (config, weights, n-gram, search settings other than
-`remain_total`).
+Cache: `$DART_SPEC_CACHE/machine/` (default `~/.cache/dart-spec/machine/`), one JSON per hash of the device (CPU model
+string and core count, or CUDA device name), torch's thread count, the target (config, dtype, attention) and the head
+(config, weights, search settings other than `remain_total`).
 
-    tree = dart_hf.calibrate(model, tokenizer, head)                # measure now (progress bar), cache, TreeConfig
-    tree = dart_hf.tuned_tree_config(model, tokenizer, head)        # cached result, else calibrate
-    model.generate(ids, dart_head=head, dart_tree_config=tree)      # or: head.tree_config = tree
+    choice = dart_hf.tree_choice(model, head)                 # acceptance shipped with the head, cost measured/cached
+    tree = dart_hf.calibrate(model, tokenizer, head)          # measure both now (a minute): head.acceptance is set
+    head.save_pretrained(path)                                # ships the acceptance curve with the head
 """
 
 from __future__ import annotations
@@ -46,17 +43,21 @@ import dataclasses
 import functools
 import hashlib
 import json
+import math
 import os
 import platform
 import statistics
+import sys
+import threading
 import time
 import warnings
+import weakref
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
 import torch
 
-from dart_core import DartHead, TreeConfig
+from dart_core import AcceptanceCurve, DartHead, TreeConfig
 from dart_core.errors import DartInputError
 from dart_core.io import atomic_write
 from dart_core.sync import synchronize
@@ -64,7 +65,7 @@ from dart_hf.loop import DartStats, dart_decoding, last_stats
 from dart_hf.target import (keep_accepted_path, plan_for, tree_attention_mask,
                             tree_forward, tree_forwards, tree_settings)
 
-FORMAT_VERSION = 3  # 3: the few-row product measured per machine (older tree sizes used a fixed rule: stale)
+FORMAT_VERSION = 4  # 4: the machine cost alone (acceptance ships with the head)
 LATENCY_GRID = (1, 2, 4, 8, 16, 32, 64)
 CANDIDATES = (1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 60)
 DEFAULT_PROMPTS = (
@@ -73,38 +74,30 @@ DEFAULT_PROMPTS = (
     "A train travels 180 km in 2 hours and then 120 km in 1.5 hours. What is its average speed? Show the steps.",
     "List five tips for writing clear emails.",
 )
+COST_RUN_TOKENS = 24  # new tokens of the short DART run that times the head, the tree search and the rest of a step
 
 
 @dataclasses.dataclass
-class Calibration:
-    """A calibration result. Times are in milliseconds; `rows` has one entry per candidate tree size:
-    {remain_total, tau, verify_ms, step_ms, tokens_per_s, speedup}."""
+class MachineCost:
+    """What a verify step costs on this machine for one target and head, in milliseconds: `verify_ms` {k: one tree
+    forward over k new tokens}, `plain_ms` (one plain 1-token forward), per step `head_ms`, `tree_ms` and `rest_ms`
+    (acceptance and cache compaction); measured on a `context_length`-token cache in `seconds`."""
 
-    remain_total: int
-    tree_config: dict
-    expected_speedup: float
-    rows: list[dict]
     verify_ms: dict[int, float]
     plain_ms: float
     head_ms: float
     tree_ms: float
     rest_ms: float
-    steps: int
-    max_nodes: int
     context_length: int
-    prompts: int
-    new_tokens: int
     seconds: float
     identity: dict = dataclasses.field(default_factory=dict)
     created: str = ""
     version: int = FORMAT_VERSION
 
-    def to_tree_config(self) -> TreeConfig:
-        return TreeConfig.from_dict(self.tree_config)
-
     @property
-    def plain_tokens_per_s(self) -> float:
-        return 1e3 / self.plain_ms
+    def fixed_ms(self) -> float:
+        """Per step, everything but the verify forward."""
+        return self.head_ms + self.tree_ms + self.rest_ms
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
@@ -112,39 +105,62 @@ class Calibration:
         return out
 
     @classmethod
-    def from_dict(cls, raw) -> "Calibration":
-        """The calibration a cache file holds; DartInputError naming what is wrong with it."""
+    def from_dict(cls, raw) -> "MachineCost":
+        """The cost a cache file holds; DartInputError naming what is wrong with it."""
         if not isinstance(raw, dict):
-            raise DartInputError(f"not a calibration (a JSON {type(raw).__name__}, not an object)")
+            raise DartInputError(f"not a machine cost (a JSON {type(raw).__name__}, not an object)")
         if raw.get("version") != FORMAT_VERSION:
             raise DartInputError(f"format version {raw.get('version')!r}, not {FORMAT_VERSION}")
         known = {f.name for f in dataclasses.fields(cls)}
-        missing = sorted(f.name for f in dataclasses.fields(cls)
-                         if f.name not in raw and f.default is dataclasses.MISSING
-                         and f.default_factory is dataclasses.MISSING)
+        missing = sorted(f.name for f in dataclasses.fields(cls) if f.name not in raw
+                         and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
         if missing:
             raise DartInputError(f"missing {', '.join(missing)}")
         data = {k: v for k, v in raw.items() if k in known}
         try:
             data["verify_ms"] = {int(k): float(v) for k, v in raw["verify_ms"].items()}
             result = cls(**data)
-            tree = result.to_tree_config()
+            times = [result.plain_ms, result.head_ms, result.tree_ms, result.rest_ms, *result.verify_ms.values()]
+            valid = all(math.isfinite(float(t)) and float(t) >= 0 for t in times) and result.verify_ms
         except (AttributeError, TypeError, ValueError) as err:
             raise DartInputError(f"malformed field ({type(err).__name__}: {err})") from None
-        if not isinstance(result.identity, dict) or type(result.remain_total) is not int:
-            raise DartInputError("malformed identity or remain_total")
-        if not 1 <= result.remain_total <= max(CANDIDATES + (int(result.max_nodes),)) or \
-                tree.remain_total != result.remain_total:
-            raise DartInputError(f"tree size {result.remain_total} outside the calibrated candidates")
+        if not valid or not isinstance(result.identity, dict) or min(result.verify_ms) < 1:
+            raise DartInputError("malformed times or identity")
         return result
 
+
+@dataclasses.dataclass
+class TreeChoice:
+    """The tree size chosen for this machine: `remain_total`, its `tree_config`, the `expected_speedup` over plain
+    decoding, one row per tree size of the acceptance curve {remain_total, tau, verify_ms, step_ms, tokens_per_s,
+    speedup}, and the cost it rests on. `pays`: whether any tree beats plain decoding here."""
+
+    remain_total: int
+    tree_config: TreeConfig
+    expected_speedup: float
+    rows: list[dict]
+    cost: MachineCost
+
+    @property
+    def pays(self) -> bool:
+        return self.expected_speedup > 1.0
+
+    def summary(self) -> str:
+        """One line: the choice and the numbers behind it."""
+        return (f"tree of {self.remain_total} draft nodes, expected {self.expected_speedup:.2f}x over plain (one plain "
+                f"step {self.cost.plain_ms:.1f} ms; a step with this tree {self._row()['step_ms']:.1f} ms for tau "
+                f"{self._row()['tau']:.2f})")
+
+    def _row(self) -> dict:
+        return next(row for row in self.rows if row["remain_total"] == self.remain_total)
+
     def format_table(self) -> str:
-        """A plain-text table: the latency grid, then tau, step time and expected speedup per tree size."""
-        lines = [f"target forward over k new tokens on a {self.context_length}-token cache (median ms):",
-                 "  " + "  ".join(f"k={k}: {ms:.1f}" for k, ms in sorted(self.verify_ms.items())),
-                 f"plain 1-token forward {self.plain_ms:.1f} ms; per step: head {self.head_ms:.1f} ms, "
-                 f"tree search {self.tree_ms:.1f} ms, acceptance + KV compaction {self.rest_ms:.1f} ms "
-                 f"({self.steps} steps of a {self.max_nodes}-node run)",
+        """A plain-text table: the latency curve, then tau, step time and expected speedup per tree size."""
+        cost = self.cost
+        lines = [f"target forward over k new tokens on a {cost.context_length}-token cache (median ms):",
+                 "  " + "  ".join(f"k={k}: {ms:.1f}" for k, ms in sorted(cost.verify_ms.items())),
+                 f"plain 1-token forward {cost.plain_ms:.1f} ms; per step: head {cost.head_ms:.1f} ms, "
+                 f"tree search {cost.tree_ms:.1f} ms, acceptance + KV compaction {cost.rest_ms:.1f} ms",
                  f"{'nodes':>5} {'tau':>6} {'verify ms':>9} {'step ms':>8} {'tok/s':>7} {'speedup':>7}"]
         for row in self.rows:
             mark = "  <- chosen" if row["remain_total"] == self.remain_total else ""
@@ -206,7 +222,7 @@ def choose_tree_size(tau: dict[int, float], verify_s: dict[int, float], fixed_s:
     return best["remain_total"], rows
 
 
-# ---- measurements -----------------------------------------------------------------------------------------------
+# ---- measurements ----------------------------------------------------------------------------------------------------
 
 @torch.no_grad()
 def measure_latency(model, sizes: Iterable[int], layer_ids: Sequence[int] = (), context_length: int = 256,
@@ -340,45 +356,64 @@ def base_tree_config(model, head: DartHead) -> TreeConfig:
     return tree_settings(head, model.generation_config)
 
 
-def run_calibration(model, tokenizer, head: DartHead, prompts: Optional[Iterable] = None, *, max_nodes: int = 60,
-                    candidates: Optional[Iterable[int]] = None, max_new_tokens: int = 64, context_length: int = 256,
-                    repeats: int = 5, progress: Optional[bool] = None) -> Calibration:
-    """Measure and choose (the module docstring has the rule); nothing is cached. `prompts`: strings or token ids
-    (default: a few built-in chat prompts)."""
-    t_start = time.perf_counter()
+def measure_acceptance(model, tokenizer, head: DartHead, prompts: Optional[Iterable] = None, *, max_nodes: int = 60,
+                       candidates: Optional[Iterable[int]] = None, max_new_tokens: int = 64,
+                       progress: Optional[bool] = None) -> AcceptanceCurve:
+    """tau(R) of `head` on `model` for each candidate R <= `max_nodes` (the module docstring has the rule), from one
+    greedy run with a `max_nodes`-node tree over `prompts` (strings or token ids; default: a few built-in chat
+    prompts). Ship it with `head.acceptance = curve; head.save_pretrained(...)`."""
     if max_nodes < 1:
         raise ValueError(f"max_nodes must be >= 1, got {max_nodes}")
     sizes = sorted({int(r) for r in (candidates or CANDIDATES) if 1 <= int(r) <= max_nodes} | {max_nodes})
-    plan = plan_for(model, head, tokenizer)
+    plan_for(model, head, tokenizer)
     ids = encode_prompts(tokenizer, DEFAULT_PROMPTS if prompts is None else prompts)
     base = base_tree_config(model, head)
     stats = acceptance_run(model, head, ids, dataclasses.replace(base, remain_total=max_nodes), max_new_tokens,
                            progress)
     if not stats.steps:
-        raise ValueError("the calibration run made no verify step (prompts end at once?); use longer generations")
+        raise ValueError("the acceptance run made no verify step (prompts end at once?); use longer generations")
+    name = getattr(model.config, "_name_or_path", "") or type(model).__name__
+    return AcceptanceCurve(tau={r: stats.tau_at(r) for r in sizes}, steps=stats.steps, new_tokens=stats.new_tokens,
+                           prompts=len(ids), target=str(name), measured=time.strftime("%Y-%m-%d"))
+
+
+def measure_machine_cost(model, head: DartHead, *, max_nodes: int = 60, context_length: int = 256, repeats: int = 3,
+                         progress: Optional[bool] = None) -> MachineCost:
+    """Time this machine's verify forwards for k = 1 .. `max_nodes` + 1 tokens and a plain step (`measure_latency`),
+    then the rest of a step from a short DART run on fixed random ids (its acceptance does not matter)."""
+    t_start = time.perf_counter()
+    plan = plan_for(model, head)
     grid = sorted({k for k in LATENCY_GRID if k <= max_nodes + 1} | {max_nodes + 1})
     latency, plain_s = measure_latency(model, grid, plan.layer_ids, context_length, repeats, progress)
-    head_s = stats.head_time / stats.steps
-    tree_s = stats.tree_time / stats.steps
-    rest_s = max(stats.verify_time - stats.target_time, 0.0) / stats.steps
-    tau = {r: stats.tau_at(r) for r in sizes}
-    best, rows = choose_tree_size(tau, latency, head_s + tree_s + rest_s, plain_s)
-    chosen = next(row for row in rows if row["remain_total"] == best)
-    return Calibration(
-        remain_total=best, tree_config=dataclasses.replace(base, remain_total=best).to_dict(),
-        expected_speedup=chosen["speedup"], rows=rows, verify_ms={k: s * 1e3 for k, s in latency.items()},
-        plain_ms=plain_s * 1e3, head_ms=head_s * 1e3, tree_ms=tree_s * 1e3, rest_ms=rest_s * 1e3, steps=stats.steps,
-        max_nodes=max_nodes, context_length=context_length, prompts=len(ids), new_tokens=stats.new_tokens,
+    vocab = int(model.get_input_embeddings().weight.shape[0])
+    prompt = torch.randint(0, vocab, (1, 16), generator=torch.Generator().manual_seed(0))
+    tree = dataclasses.replace(base_tree_config(model, head), remain_total=min(8, max_nodes), eos_token_id=None)
+    acceptance_run(model, head, [prompt], tree, max_new_tokens=4, progress=False)  # warm-up
+    stats = acceptance_run(model, head, [prompt], tree, max_new_tokens=COST_RUN_TOKENS, progress=False)
+    steps = max(stats.steps, 1)
+    return MachineCost(
+        verify_ms={k: s * 1e3 for k, s in latency.items()}, plain_ms=plain_s * 1e3,
+        head_ms=stats.head_time / steps * 1e3, tree_ms=stats.tree_time / steps * 1e3,
+        rest_ms=max(stats.verify_time - stats.target_time, 0.0) / steps * 1e3, context_length=context_length,
         seconds=time.perf_counter() - t_start, identity=identity(model, head),
         created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
 
 
-# ---- cache ------------------------------------------------------------------------------------------------------
+def choose(acceptance: AcceptanceCurve, cost: MachineCost, base: TreeConfig) -> TreeChoice:
+    """The fastest tree size of the curve at this cost (`choose_tree_size`), with `base`'s other settings."""
+    best, rows = choose_tree_size(acceptance.tau, {k: ms / 1e3 for k, ms in cost.verify_ms.items()},
+                                  cost.fixed_ms / 1e3, cost.plain_ms / 1e3)
+    chosen = next(row for row in rows if row["remain_total"] == best)
+    return TreeChoice(remain_total=best, tree_config=dataclasses.replace(base, remain_total=best),
+                      expected_speedup=chosen["speedup"], rows=rows, cost=cost)
 
-def calibration_dir() -> Path:
-    """`$DART_SPEC_CACHE/calibration` or `~/.cache/dart-spec/calibration`."""
+
+# ---- cache and the first-call choice ------------------------------------------------------------------------------
+
+def cache_dir() -> Path:
+    """`$DART_SPEC_CACHE/machine` or `~/.cache/dart-spec/machine`."""
     root = os.environ.get("DART_SPEC_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dart-spec")
-    return Path(root) / "calibration"
+    return Path(root) / "machine"
 
 
 def device_name(device: torch.device) -> str:
@@ -429,65 +464,90 @@ def head_identity(head: DartHead, base: TreeConfig) -> str:
 
 
 def identity(model, head: DartHead) -> dict:
-    """What a calibration is valid for: device, torch threads, target, head (the cache key is its hash)."""
+    """What a machine cost is valid for: device, torch threads, target (dtype included), head (the cache key is its
+    hash)."""
     return {"device": device_name(next(model.parameters()).device), "threads": torch.get_num_threads(),
             "target": target_identity(model), "head": head_identity(head, base_tree_config(model, head)),
             "version": FORMAT_VERSION}
 
 
-def calibration_path(model, head: DartHead, ident: Optional[dict] = None) -> Path:
-    return calibration_dir() / f"{_digest(ident or identity(model, head))}.json"
+def cost_path(ident: dict) -> Path:
+    return cache_dir() / f"{_digest(ident)}.json"
 
 
-def cached_calibration(model, head: DartHead) -> Optional[Calibration]:
-    """The cached calibration for this device, thread count, target and head, or None. A cache file that cannot be
-    read as one is ignored with a warning naming it (calibrating again replaces it)."""
+def cached_machine_cost(model, head: DartHead) -> Optional[MachineCost]:
+    """The cached cost for this device, thread count, target and head, or None. A cache file that cannot be read as
+    one is ignored with a warning naming it (measuring again replaces it)."""
     ident = identity(model, head)
-    path = calibration_path(model, head, ident)
+    path = cost_path(ident)
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         return None
     except (OSError, UnicodeDecodeError) as err:
-        warnings.warn(f"ignoring the calibration cache {path}: unreadable ({err})", stacklevel=2)
+        warnings.warn(f"ignoring the machine-cost cache {path}: unreadable ({err})", stacklevel=2)
         return None
     try:
-        result = Calibration.from_dict(json.loads(text))
+        result = MachineCost.from_dict(json.loads(text))
     except (ValueError, DartInputError) as err:  # json's errors are ValueErrors
-        warnings.warn(f"ignoring the calibration cache {path}: {err}; `dart-spec demo --calibrate` (or "
-                      "dart_hf.calibrate) replaces it", stacklevel=2)
+        warnings.warn(f"ignoring the machine-cost cache {path}: {err}; it is measured again", stacklevel=2)
         return None
     return result if result.identity == ident else None
 
 
-def save_calibration(result: Calibration) -> Path:
-    path = calibration_dir() / f"{_digest(result.identity)}.json"
+def save_machine_cost(cost: MachineCost) -> Path:
+    path = cost_path(cost.identity)
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_write(str(path), "w") as fh:
-        json.dump(result.to_dict(), fh, indent=2)
+        json.dump(cost.to_dict(), fh, indent=2)
     return path
 
 
-def calibrate(model, tokenizer, head: DartHead, prompts: Optional[Iterable] = None, *, save: bool = True,
-              **kwargs) -> TreeConfig:
-    """Measure now (progress bars), cache the result (`save=True`) and return the tuned TreeConfig.
-
-    The other settings come from `head.tree_config` (else the reference's with the target's EOS). Keyword arguments
-    go to `run_calibration` (max_nodes, candidates, max_new_tokens, context_length, repeats, progress).
-    """
-    kwargs.setdefault("progress", True)
-    result = run_calibration(model, tokenizer, head, prompts, **kwargs)
-    if save:
-        save_calibration(result)
-    return result.to_tree_config()
-
-
-def tuned_tree_config(model, tokenizer, head: DartHead, prompts: Optional[Iterable] = None, *, refresh: bool = False,
-                      **kwargs) -> TreeConfig:
-    """The cached calibration's TreeConfig for this machine, target and head; calibrates (and caches) when there
-    is none or `refresh=True`."""
+def machine_cost(model, head: DartHead, *, refresh: bool = False, progress: Optional[bool] = None,
+                 **kwargs) -> MachineCost:
+    """The cached cost for this machine, target and head; measured (a few seconds, one line on stderr) and cached
+    when there is none or `refresh=True`. Keyword arguments go to `measure_machine_cost`."""
     if not refresh:
-        cached = cached_calibration(model, head)
+        cached = cached_machine_cost(model, head)
         if cached is not None:
-            return cached.to_tree_config()
-    return calibrate(model, tokenizer, head, prompts, **kwargs)
+            return cached
+    device = next(model.parameters()).device
+    dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+    print(f"dart-spec: measuring what a verify step costs on this machine ({device_name(device)}, {dtype}, "
+          f"{torch.get_num_threads()} threads); once, cached in {cache_dir()}", file=sys.stderr, flush=True)
+    cost = measure_machine_cost(model, head, progress=progress, **kwargs)
+    save_machine_cost(cost)
+    return cost
+
+
+# per head: {(target id, dtype, device, threads): TreeChoice}, so that a generate() call after the first costs a
+# dictionary look-up; a head whose acceptance curve or search settings change gets a new entry
+_CHOICES: "weakref.WeakKeyDictionary[DartHead, dict]" = weakref.WeakKeyDictionary()
+_CHOICE_LOCK = threading.Lock()
+
+
+def tree_choice(model, head: DartHead) -> Optional[TreeChoice]:
+    """The tree size for `head` on `model` here, from the head's shipped acceptance curve and this machine's cost
+    (measured at the first call, then cached on disk and in memory); None when the head carries no curve."""
+    if head.acceptance is None:
+        return None
+    param = next(model.parameters())
+    base = base_tree_config(model, head)
+    key = (id(model), param.dtype, param.device, torch.get_num_threads(), id(head.acceptance), base)
+    with _CHOICE_LOCK:
+        choice = _CHOICES.setdefault(head, {}).get(key)
+        if choice is None:
+            choice = _CHOICES[head][key] = choose(head.acceptance, machine_cost(model, head), base)
+    return choice
+
+
+def calibrate(model, tokenizer, head: DartHead, prompts: Optional[Iterable] = None, *, max_nodes: int = 60,
+              candidates: Optional[Iterable[int]] = None, max_new_tokens: int = 64, context_length: int = 256,
+              repeats: int = 3, progress: Optional[bool] = True) -> TreeChoice:
+    """Measure both parts now: the acceptance curve (set as `head.acceptance`; `head.save_pretrained` ships it) and
+    this machine's cost (cached); returns the choice."""
+    head.acceptance = measure_acceptance(model, tokenizer, head, prompts, max_nodes=max_nodes, candidates=candidates,
+                                         max_new_tokens=max_new_tokens, progress=progress)
+    machine_cost(model, head, refresh=True, progress=progress, max_nodes=max(head.acceptance.tau),
+                 context_length=context_length, repeats=repeats)
+    return tree_choice(model, head)

@@ -25,17 +25,16 @@ def default_head_dtype(target_dtype: torch.dtype, device: torch.device) -> torch
     return target_dtype
 
 
-def load_default(head_dir: Optional[str | os.PathLike] = None, *, use_calibration: bool = True,
-                 attn_implementation: str = "sdpa", head_dtype: Optional[torch.dtype] = None):
-    """(model, tokenizer, dart_head): SmolLM2-135M-Instruct from `load_smollm2()` (enabled for `dart_head=`) and
-    the head in `head_dir` (default: the shipped `dart_hf/assets/smollm2-135m-dart/`), offline.
+def load_default(head_dir: Optional[str | os.PathLike] = None, *, attn_implementation: str = "sdpa",
+                 target_dtype: torch.dtype = torch.float32, head_dtype: Optional[torch.dtype] = None):
+    """(model, tokenizer, dart_head): SmolLM2-135M-Instruct from `load_smollm2()` in `target_dtype` (enabled for
+    `dart_head=`) and the head in `head_dir` (default: the shipped `dart_hf/assets/smollm2-135m-dart/`), offline.
 
-    The head is on the model's device in `head_dtype` (default: `default_head_dtype`) and shares its embedding. Its
-    tree settings are the cached calibration for this machine when there is one (`dart_hf.calibration`; nothing is
-    calibrated here), else the head's own `tree_config`. Raises FileNotFoundError naming the directory when the head
+    The head is on the model's device in `head_dtype` (default: `default_head_dtype`) and shares its embedding. Calls
+    with `dart_head=head` and no `dart_tree_config` take the tree size chosen for this machine
+    (`dart_hf.tree_choice`, measured at the first call). Raises FileNotFoundError naming the directory when the head
     is missing.
     """
-    from dart_hf.calibration import cached_calibration
     from dart_hf.enable import enable
     from dart_hf.smollm2 import load_smollm2
     from dart_hf.target import plan_for
@@ -45,15 +44,11 @@ def load_default(head_dir: Optional[str | os.PathLike] = None, *, use_calibratio
         what = "the shipped DART head for SmolLM2" if head_dir is None else "the DART head"
         raise FileNotFoundError(f"{what} is missing: no config.json in {directory}")
     model, tokenizer = load_smollm2(attn_implementation=attn_implementation)
-    enable(model)
+    enable(model.to(target_dtype))
     param = next(model.parameters())
     dtype = head_dtype or default_head_dtype(param.dtype, param.device)
     head = DartHead.from_pretrained(directory, dtype=dtype, device=param.device)
     head.eval()
     plan_for(model, head, tokenizer)
-    if use_calibration:
-        cached = cached_calibration(model, head)
-        if cached is not None:
-            head.tree_config = cached.to_tree_config()
     return model, tokenizer, head
 

@@ -74,6 +74,15 @@ class DartGenerationMixin:
             if explicit:
                 raise ValueError(f"dart_head cannot be combined with {clash}=")
             return self._plain_generate(f"the call passes {clash}=", inputs, generation_config, kwargs)
+        if options.tree_config is None:  # the tree size chosen for this machine, where the head ships its curve
+            from dart_hf.calibration import tree_choice
+
+            choice = tree_choice(self, options.head)
+            if choice is not None and not choice.pays and not explicit:
+                return self._plain_generate(f"no tree beats plain decoding on this machine: {choice.summary()}",
+                                            inputs, generation_config, kwargs)
+            if choice is not None:
+                options = dataclasses.replace(options, tree_config=choice.tree_config)
         dart_kwargs = dict(kwargs)
         # generate() hands neither of these to a custom_generate callable: the DART loop gets them itself, and
         # generate() builds stop-string criteria with the call's tokenizer (`_get_stopping_criteria`)

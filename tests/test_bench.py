@@ -148,34 +148,30 @@ def test_gpu_projection_script_runs_on_cpu_with_small_shapes(tmp_path, capsys):
 
 
 def test_calibrated_tree_keeps_the_fastest_search(monkeypatch):
-    import dataclasses
     import importlib
 
-    from dart_core import TreeConfig
+    from dart_core import AcceptanceCurve, TreeConfig
     from dart_bench import calibrated_tree
 
-    expected = {(1, 3): 0.9, (4, 3): 1.2, (10, 7): 0.7}  # (topk, max_depth) -> expected speedup
-
-    class Fake:
-        def __init__(self, tree):
-            self.tree = dataclasses.replace(tree, remain_total=5)
-            self.remain_total, self.head_ms, self.tree_ms = 5, 1.0, 0.5
-            self.expected_speedup = expected[(tree.topk, tree.max_depth)]
-
-        def to_tree_config(self):
-            return self.tree
-
-    saved = []
+    tau = {(1, 3): 1.2, (4, 3): 1.9, (10, 7): 1.1}  # (topk, max_depth) -> tau at every size: the speedup follows
+    measured = []
     cal = importlib.import_module("dart_hf.calibration")  # the module (the package attribute is the function)
-    monkeypatch.setattr(cal, "cached_calibration", lambda model, head: None)
-    monkeypatch.setattr(cal, "run_calibration", lambda model, tok, head, progress=None: Fake(head.tree_config))
-    monkeypatch.setattr(cal, "save_calibration", saved.append)
+
+    def acceptance(model, tok, head, progress=None):
+        measured.append((head.tree_config.topk, head.tree_config.max_depth))
+        t = tau[measured[-1]]
+        return AcceptanceCurve(tau={1: t, 5: t}, steps=3, new_tokens=6, prompts=1)
+
+    cost = cal.MachineCost(verify_ms={1: 10.0, 8: 10.0}, plain_ms=10.0, head_ms=0.0, tree_ms=0.0, rest_ms=0.0,
+                           context_length=8, seconds=0.1)
+    monkeypatch.setattr(cal, "measure_acceptance", acceptance)
+    monkeypatch.setattr(cal, "machine_cost", lambda model, head, refresh=False, progress=None: cost)
     model = tiny_target()
     drafter = Eagle3Head.from_dart_head(random_head(model))
-    searches = [{"topk": t, "max_depth": d} for t, d in expected]
+    searches = [{"topk": t, "max_depth": d} for t, d in tau]
     tree, rows = calibrated_tree(model, None, drafter, searches)
-    assert tree == TreeConfig(topk=4, max_depth=3, remain_total=5) == drafter.tree_config
-    assert [r["expected_speedup"] for r in rows] == [0.9, 1.2, 0.7] and len(saved) == 3
+    assert tree == TreeConfig(topk=4, max_depth=3, remain_total=1) == drafter.tree_config  # ties: the smaller tree
+    assert [r["expected_speedup"] for r in rows] == pytest.approx([1.2, 1.9, 1.1]) and measured == list(tau)
 
 
 def test_atomic_writes_give_files_the_usual_permissions(tmp_path):

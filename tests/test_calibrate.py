@@ -1,5 +1,5 @@
-"""Tree budget calibration: the acceptance profile rule (exact per step), the latency model, the choice, the cache,
-and `load_default`."""
+"""The tree size chosen for this machine: the acceptance rule (exact per step), the shipped acceptance curve, the
+latency model, the choice, the first-call measurement and its cache, the fallback to plain, and `load_default`."""
 
 import json
 import sys
@@ -8,10 +8,12 @@ import pytest
 import torch
 
 import dart_hf
-from dart_core import NGramModel, TreeConfig, build_draft_tree, topk_draft_tokens
+from dart_core import (AcceptanceCurve, DartHead, DartInputError, NGramModel, TreeConfig, build_draft_tree,
+                       topk_draft_tokens)
 from dart_core.tree import score_ranks
-from dart_hf.calibration import (Calibration, cached_calibration, calibration_dir, choose_tree_size, interpolate,
-                               monotone, run_calibration, tuned_tree_config)
+from dart_hf import DartFallbackWarning
+from dart_hf.calibration import (MachineCost, TreeChoice, cached_machine_cost, choose, choose_tree_size, interpolate,
+                                 machine_cost, measure_acceptance, monotone, tree_choice)
 from dart_hf.default import DEFAULT_HEAD_DIR, default_head_dtype, load_default
 from hf_models import oracle_head, random_head, tiny_target
 
@@ -127,61 +129,120 @@ def test_choice_is_argmax_of_tokens_per_second():
     assert choose_tree_size({1: 2.0, 4: 2.0}, gpu, 0.0, 0.01)[0] == 1  # ties: the smaller tree
 
 
-# ---- calibration end to end (tiny target), cache ---------------------------------------------------------------
+# ---- the first-call choice: shipped acceptance, measured machine cost, cache ----------------------------------------
 
-SMALL = dict(max_new_tokens=20, context_length=32, repeats=1, candidates=(1, 2, 4, 8, 16), progress=False)
+SMALL_CURVE = dict(max_new_tokens=20, candidates=(1, 2, 4, 8, 16), progress=False)
+SMALL_COST = dict(context_length=32, repeats=1, progress=False)
 
 
-def test_calibrate_caches_and_tuned_tree_config_reuses(cache_root, monkeypatch):
+def _cost(verify_ms: dict, plain_ms: float, fixed_ms: float = 3.0) -> MachineCost:
+    return MachineCost(verify_ms=verify_ms, plain_ms=plain_ms, head_ms=fixed_ms, tree_ms=0.0, rest_ms=0.0,
+                       context_length=256, seconds=1.0)
+
+
+def test_a_given_latency_curve_picks_the_expected_tree_size():
+    curve = AcceptanceCurve(tau={1: 1.4, 3: 1.7, 8: 2.0, 16: 2.2, 60: 2.4}, steps=10, new_tokens=20, prompts=1)
+    base = TreeConfig(beam_width=9)
+    # a CPU where a 4-token forward costs about one token's: a few nodes win
+    cpu = choose(curve, _cost({1: 70, 2: 55, 4: 70, 8: 100, 16: 110, 32: 170, 61: 230}, plain_ms=77), base)
+    assert cpu.remain_total == 3 and cpu.pays and cpu.tree_config == TreeConfig(beam_width=9, remain_total=3)
+    assert cpu.expected_speedup == pytest.approx(1.7 / (3 + 70) * 77)
+    # a GPU-like flat curve: the biggest tree
+    assert choose(curve, _cost({k: 10.0 for k in (1, 2, 4, 8, 16, 32, 64)}, plain_ms=10, fixed_ms=1), base
+                  ).remain_total == 60
+    # a machine where every tree forward costs twice a plain step: nothing pays
+    slow = choose(curve, _cost({1: 150, 2: 160, 4: 170, 8: 200, 16: 240, 32: 300, 61: 400}, plain_ms=77), base)
+    assert not slow.pays and slow.expected_speedup < 1 and "expected 0." in slow.summary()
+    assert "<- chosen" in slow.format_table()
+
+
+def test_acceptance_curve_ships_in_the_head_directory(tmp_path):
+    model = dart_hf.enable(tiny_target())
+    plain = model.generate(PROMPT, max_new_tokens=30, do_sample=False)
+    head = oracle_head(model, plain[0], wrong_every=3)
+    curve = measure_acceptance(model, None, head, [PROMPT], **SMALL_CURVE)
+    assert sorted(curve.tau) == [1, 2, 4, 8, 16, 60] and curve.tau[1] >= 1.0 and curve.steps >= 1
+    assert list(curve.tau.values()) == sorted(curve.tau.values())
+    saved = random_head(model)
+    saved.acceptance = curve
+    saved.save_pretrained(tmp_path / "head")
+    again = DartHead.from_pretrained(tmp_path / "head")
+    assert again.acceptance.tau == pytest.approx(curve.tau, abs=1e-4) and again.acceptance.steps == curve.steps
+    raw = json.loads((tmp_path / "head" / "config.json").read_text())
+    raw["dart_acceptance"]["tau"]["2"] = 0.5  # below 1: no run accepts less than its bonus token
+    (tmp_path / "head" / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(DartInputError, match="config.json: dart_acceptance: .*tau finite and >= 1"):
+        DartHead.from_pretrained(tmp_path / "head")
+
+
+def test_first_call_measures_the_machine_once_and_caches_it_by_dtype_and_threads(cache_root, monkeypatch, capsys):
+    model = dart_hf.enable(tiny_target())
+    head = random_head(model)
+    head.acceptance = AcceptanceCurve(tau={1: 1.5, 4: 1.9, 16: 2.2}, steps=5, new_tokens=9, prompts=1)
+    measured = []
+    real = calibrate_module.measure_machine_cost
+
+    def counted(*args, **kwargs):
+        measured.append(torch.get_num_threads())
+        return real(*args, **{**kwargs, **SMALL_COST})
+
+    monkeypatch.setattr(calibrate_module, "measure_machine_cost", counted)
+    choice = tree_choice(model, head)
+    assert measured == [1] and "measuring what a verify step costs" in capsys.readouterr().err
+    assert choice.remain_total in (1, 4, 16) and tree_choice(model, head) is choice  # memo
+    files = list((cache_root / "machine").glob("*.json"))
+    assert len(files) == 1
+    saved = json.loads(files[0].read_text())
+    assert saved["identity"]["threads"] == 1 and saved["identity"]["device"].startswith("cpu:")
+    assert MachineCost.from_dict(saved) == cached_machine_cost(model, head)
+    calibrate_module._CHOICES.clear()
+    assert tree_choice(model, head).remain_total == choice.remain_total and measured == [1]  # from the disk cache
+    torch.set_num_threads(2)  # another thread count is another machine setting
+    try:
+        tree_choice(model, head)
+    finally:
+        torch.set_num_threads(1)
+    assert measured == [1, 2]
+    model.to(torch.bfloat16)  # and so is another dtype
+    try:
+        assert cached_machine_cost(model, head) is None
+    finally:
+        model.to(torch.float32)
+    assert random_head(model, seed=5).acceptance is None and tree_choice(model, random_head(model, seed=5)) is None
+
+
+def test_a_machine_where_no_tree_pays_decodes_plain_with_one_warning(cache_root, monkeypatch):
+    model = dart_hf.enable(tiny_target())
+    plain = model.generate(PROMPT, max_new_tokens=12, do_sample=False)
+    head = oracle_head(model, plain[0], wrong_every=3)
+    head.acceptance = AcceptanceCurve(tau={1: 1.5, 4: 1.9}, steps=5, new_tokens=9, prompts=1)
+    slow = _cost({1: 150.0, 2: 160.0, 4: 170.0, 8: 400.0}, plain_ms=77.0)
+    monkeypatch.setattr(calibrate_module, "machine_cost", lambda model, head: slow)
+    attached = dart_hf.enable(tiny_target(), head)
+    with pytest.warns(DartFallbackWarning, match=r"no tree beats plain decoding on this machine: .*expected 0\.\d+x"):
+        out = attached.generate(PROMPT, max_new_tokens=12, do_sample=False)
+    assert torch.equal(out, plain) and attached.dart_stats is None
+    out = model.generate(PROMPT, max_new_tokens=12, do_sample=False, dart_head=head)  # asked for: DART, best tree
+    assert torch.equal(out, plain) and model.dart_stats.tree_nodes - 1 == 1  # tau 1.9 at 4 nodes costs more
+
+
+def test_calibrate_measures_both_parts_and_returns_the_choice(cache_root):
     model = dart_hf.enable(tiny_target())
     plain = model.generate(PROMPT, max_new_tokens=30, do_sample=False)
     head = oracle_head(model, plain[0], wrong_every=3)
     head.tree_config = TreeConfig(beam_width=12, ngram_weight=0.3, remain_total=40)
-    tree = dart_hf.calibrate(model, None, head, [PROMPT], **SMALL)
-    assert isinstance(tree, TreeConfig) and tree.remain_total in (1, 2, 4, 8, 16, 60)
-    assert (tree.beam_width, tree.ngram_weight) == (12, 0.3)  # the other settings are the head's
-    files = list(calibration_dir().glob("*.json"))
-    assert len(files) == 1 and files[0].parent == cache_root / "calibration"
-    saved = json.loads(files[0].read_text())
-    assert saved["identity"]["threads"] == 1 and saved["identity"]["device"].startswith("cpu:")
-    assert saved["remain_total"] == tree.remain_total and len(saved["rows"]) == 6
-    result = cached_calibration(model, head)
-    assert result.to_tree_config() == tree and "<- chosen" in result.format_table()
-    assert Calibration.from_dict(json.loads(json.dumps(result.to_dict()))) == result
-
-    def no_run(*args, **kwargs):
-        raise AssertionError("calibrated again")
-
-    with monkeypatch.context() as patch:
-        patch.setattr(calibrate_module, "run_calibration", no_run)
-        assert tuned_tree_config(model, None, head, [PROMPT]) == tree  # from the cache
-    # the cached choice is the same whatever remain_total the head carries now
-    head.tree_config = tree
-    assert cached_calibration(model, head) == result
-    torch.set_num_threads(2)  # another thread count is another machine setting
-    assert cached_calibration(model, head) is None
-    torch.set_num_threads(1)
-    other = random_head(model, seed=5)
-    other.tree_config = head.tree_config
-    assert cached_calibration(model, other) is None  # another head
-    assert tuned_tree_config(model, None, head, [PROMPT], refresh=True, **SMALL).beam_width == 12
-
-
-def test_calibration_rows_follow_the_rule():
-    model = dart_hf.enable(tiny_target())
-    plain = model.generate(PROMPT, max_new_tokens=30, do_sample=False)
-    head = oracle_head(model, plain[0], wrong_every=4)
-    result = run_calibration(model, None, head, [PROMPT], **SMALL)
-    assert sorted(result.verify_ms) == [1, 2, 4, 8, 16, 32, 61]
-    fixed = (result.head_ms + result.tree_ms + result.rest_ms) / 1e3
-    best, rows = choose_tree_size({row["remain_total"]: row["tau"] for row in result.rows},
-                                  {k: v / 1e3 for k, v in result.verify_ms.items()}, fixed, result.plain_ms / 1e3)
-    assert best == result.remain_total
-    for mine, theirs in zip(rows, result.rows):
+    choice = dart_hf.calibrate(model, None, head, [PROMPT], max_new_tokens=20, candidates=(1, 2, 4, 8, 16),
+                               context_length=32, repeats=1, progress=False)
+    assert isinstance(choice, TreeChoice) and choice.remain_total in (1, 2, 4, 8, 16, 60)
+    assert (choice.tree_config.beam_width, choice.tree_config.ngram_weight) == (12, 0.3)  # the head's settings
+    assert head.acceptance is not None and sorted(choice.cost.verify_ms) == [1, 2, 4, 8, 16, 32, 61]
+    best, rows = choose_tree_size(head.acceptance.tau, {k: v / 1e3 for k, v in choice.cost.verify_ms.items()},
+                                  choice.cost.fixed_ms / 1e3, choice.cost.plain_ms / 1e3)
+    assert best == choice.remain_total
+    for mine, theirs in zip(rows, choice.rows, strict=True):
         assert mine == pytest.approx(theirs)
-    assert result.rows[-1]["remain_total"] == 60 and result.rows[0]["tau"] >= 1.0
     with pytest.raises(ValueError, match="text prompts need a tokenizer"):
-        run_calibration(model, None, head, ["hello"], **SMALL)
+        measure_acceptance(model, None, head, ["hello"], **SMALL_CURVE)
 
 
 # ---- load_default -----------------------------------------------------------------------------------------------
@@ -192,7 +253,7 @@ def test_load_default_names_the_missing_head_directory(tmp_path):
         load_default(tmp_path / "missing")
 
 
-def test_load_default_uses_a_cached_calibration(tmp_path, cache_root, monkeypatch):
+def test_load_default_loads_the_head_beside_the_target(tmp_path, monkeypatch):
     monkeypatch.setattr("dart_hf.smollm2.load_smollm2", lambda attn_implementation="sdpa": (tiny_target(), None))
     saved = random_head(tiny_target(), seed=3)
     saved.tree_config = TreeConfig(remain_total=33, beam_width=9)
@@ -200,14 +261,10 @@ def test_load_default_uses_a_cached_calibration(tmp_path, cache_root, monkeypatc
     model, tokenizer, head = load_default(tmp_path / "head")
     assert head.tree_config == saved.tree_config and head.get_input_embeddings() is model.get_input_embeddings()
     assert head.fc.weight.dtype == default_head_dtype(torch.float32, torch.device("cpu"))
-    tree = dart_hf.calibrate(model, tokenizer, head, [PROMPT], **SMALL)
-    assert tree.beam_width == 9
-    _, _, again = load_default(tmp_path / "head")
-    assert again.tree_config == tree
-    _, _, plain = load_default(tmp_path / "head", use_calibration=False)
-    assert plain.tree_config == saved.tree_config
     _, _, fp32 = load_default(tmp_path / "head", head_dtype=torch.float32)
     assert fp32.fc.weight.dtype == torch.float32
+    bf16_model, _, bf16 = load_default(tmp_path / "head", target_dtype=torch.bfloat16)
+    assert next(bf16_model.parameters()).dtype == torch.bfloat16 and bf16.fc.weight.dtype == torch.bfloat16
 
 
 def test_default_head_dtype(monkeypatch):
@@ -219,21 +276,19 @@ def test_default_head_dtype(monkeypatch):
         assert default_head_dtype(torch.float32, torch.device("cuda")) == torch.float32  # the CPU only
 
 
-@pytest.mark.parametrize("content", ["null", "[]", "17", '{"version": 3}', "{not json",
-                                     "verify_ms", "tree_config", "remain_total"])
-def test_a_bad_cache_entry_is_ignored_with_a_warning_naming_the_file_and_recalibration_replaces_it(
-        cache_root, content):
+@pytest.mark.parametrize("content", ["null", "[]", "17", '{"version": 4}', "{not json", "verify_ms", "plain_ms"])
+def test_a_bad_cache_entry_is_ignored_with_a_warning_naming_the_file_and_measuring_replaces_it(cache_root, content):
     model = dart_hf.enable(tiny_target())
     head = random_head(model)
-    dart_hf.calibrate(model, None, head, [PROMPT], **SMALL)
-    path = calibrate_module.calibration_path(model, head)
-    if content in ("verify_ms", "tree_config", "remain_total"):  # a valid entry with one field broken
+    machine_cost(model, head, **SMALL_COST)
+    path = calibrate_module.cost_path(calibrate_module.identity(model, head))
+    if content in ("verify_ms", "plain_ms"):  # a valid entry with one field broken
         raw = json.loads(path.read_text())
-        raw[content] = {"verify_ms": [1, 2], "tree_config": "big", "remain_total": 10 ** 9}[content]
+        raw[content] = {"verify_ms": [1, 2], "plain_ms": -3.0}[content]
         content = json.dumps(raw)
     path.write_text(content)
-    with pytest.warns(UserWarning, match=f"ignoring the calibration cache {path}"):
-        assert cached_calibration(model, head) is None
-    with pytest.warns(UserWarning, match="ignoring the calibration cache"):
-        assert isinstance(tuned_tree_config(model, None, head, [PROMPT], **SMALL), TreeConfig)
-    assert cached_calibration(model, head) is not None  # calibrating again replaced the entry
+    with pytest.warns(UserWarning, match=f"ignoring the machine-cost cache {path}"):
+        assert cached_machine_cost(model, head) is None
+    with pytest.warns(UserWarning, match="ignoring the machine-cost cache"):
+        assert isinstance(machine_cost(model, head, **SMALL_COST), MachineCost)
+    assert cached_machine_cost(model, head) is not None  # measuring again replaced the entry

@@ -68,34 +68,49 @@ def smollm2_shaped_head(path):
 
 @pytest.mark.slow
 def test_real_demo_streams_times_and_checks_identity(tmp_path, monkeypatch, capsys):
+    import dart_hf
+    from dart_core import AcceptanceCurve
+
     smollm2_shaped_head(tmp_path / "head")
+    monkeypatch.setenv("DART_SPEC_CACHE", str(tmp_path / "cache"))
     calibration = sys.modules["dart_hf.calibration"]
-    # no calibration cached for this head: the head's own tree size is used and the demo says how to tune it
-    monkeypatch.setattr(calibration, "calibration_dir", lambda: tmp_path / "calibration")
+    # a head without an acceptance curve: its own tree size, and the demo says how to measure one
     assert main(["demo", "--head", str(tmp_path / "head"), "--max-new-tokens", "6", "--repeats", "1",
                  "--threads", "1", "--prompt", "Name three colours."]) == 0
     out = capsys.readouterr().out
-    assert "tree of 8 draft nodes (the head's default; `dart-spec demo --calibrate`" in out
+    assert "tree of 8 draft nodes (the head's own: it ships no acceptance curve" in out
     assert "plain generate():" in out and "DART:" in out and "speedup" in out
     assert "outputs identical (token for token)" in out
-    # --calibrate runs the calibration (stubbed here: the real one takes a minute on this CPU) and uses its choice
+    # --calibrate measures the curve (stubbed here: the real one takes a minute on this CPU) and uses the choice
     calls = []
 
-    def fake_run(model, tokenizer, head, prompts=None, **kwargs):
-        calls.append(kwargs)
-        return calibration.Calibration(
-            remain_total=3, tree_config={**head.tree_config.to_dict(), "remain_total": 3}, expected_speedup=1.5,
-            rows=[], verify_ms={1: 90.0}, plain_ms=90.0, head_ms=10.0, tree_ms=3.0, rest_ms=5.0, steps=1,
-            max_nodes=60, context_length=256, prompts=1, new_tokens=1, seconds=1.0,
-            identity=calibration.identity(model, head))
+    def fake_calibrate(model, tokenizer, head, progress=None):
+        calls.append(progress)
+        head.acceptance = AcceptanceCurve(tau={1: 1.4, 3: 1.8, 8: 1.9}, steps=9, new_tokens=20, prompts=1)
 
-    monkeypatch.setattr(calibration, "run_calibration", fake_run)
+    cost = calibration.MachineCost(verify_ms={1: 80.0, 2: 60.0, 4: 70.0, 8: 120.0, 16: 150.0}, plain_ms=80.0,
+                                   head_ms=5.0, tree_ms=2.0, rest_ms=1.0, context_length=256, seconds=1.0)
+    monkeypatch.setattr(dart_hf, "calibrate", fake_calibrate)
+    monkeypatch.setattr(calibration, "machine_cost", lambda model, head: cost)
     assert main(["demo", "--head", str(tmp_path / "head"), "--max-new-tokens", "4", "--repeats", "1",
                  "--threads", "1", "--calibrate"]) == 0
     out = capsys.readouterr().out
-    assert calls and calls[0]["progress"] is True
-    assert "tree of 3 draft nodes (calibrated for this machine, expected 1.50x)" in out
+    assert calls == [True] and "<- chosen" in out
+    assert "tree of 3 draft nodes (chosen for this machine, expected 1.85x)" in out  # 1.8 / (8 + 70) * 80
     assert "outputs identical" in out
+    # a machine where no tree pays: the demo says so, and times DART at its best tree all the same
+    slow = calibration.MachineCost(verify_ms={1: 200.0, 8: 300.0}, plain_ms=80.0, head_ms=5.0, tree_ms=2.0,
+                                   rest_ms=1.0, context_length=256, seconds=1.0)
+    monkeypatch.setattr(calibration, "machine_cost", lambda model, head: slow)
+    assert main(["demo", "--head", str(tmp_path / "head"), "--max-new-tokens", "4", "--repeats", "1",
+                 "--threads", "1", "--calibrate"]) == 0
+    assert "no tree beats plain decoding on this machine in float32" in capsys.readouterr().out
+    # bfloat16: the agreement with plain bfloat16 is reported, not required
+    assert main(["demo", "--head", str(tmp_path / "head"), "--max-new-tokens", "6", "--repeats", "1",
+                 "--threads", "1", "--dtype", "bfloat16", "--remain-total", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "SmolLM2-135M-Instruct (bfloat16" in out and "DIFFER" not in out
+    assert "identical (token for token)" in out or "equal for the first" in out
 
 
 def test_console_script_entry_point():

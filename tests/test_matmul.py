@@ -45,14 +45,37 @@ def test_few_row_linear_takes_the_product_measured_faster_for_few_rows(two_threa
     assert asked == [2, MAX_ROWS]  # one row and more than MAX_ROWS are F.linear without asking
 
 
-def test_the_measured_choice_is_made_once_per_shape_row_bucket_and_threads(two_threads, monkeypatch):
+def test_the_measured_choice_is_made_once_per_group_row_bucket_threads_and_dtype(two_threads, monkeypatch):
     monkeypatch.setattr(matmul, "_FASTER", {})
-    timings = iter([1.0, 0.5, 1.0, 0.95])  # F.linear, W @ x.T: first 2x faster, then only 5% faster
-    monkeypatch.setattr(matmul, "_median_seconds", lambda fn: next(timings))
-    w = torch.randn(8, 4)
-    assert matmul.transposed_is_faster(w, 3) and matmul.transposed_is_faster(w, 4)  # one bucket, measured once
-    assert not matmul.transposed_is_faster(w, 5)  # the next bucket: inside the margin, F.linear stays
-    assert sorted(key[2] for key in matmul._FASTER) == [4, 8]
+    timed = []
+    timings = iter([(1.0, 0.5), (1.0, 0.95), (1.0, 0.5), (1.0, 0.5)])  # first 2x faster, then only 5% faster
+
+    def passes(products, weights, rows):
+        timed.append((len(weights), rows))
+        return next(timings)
+
+    monkeypatch.setattr(matmul, "_median_pass_seconds", passes)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4))
+    lone = torch.randn(8, 4)
+    matmul.install_few_row_forwards(model)
+    w = model[0].weight
+    assert matmul.transposed_is_faster(w, 5) and matmul.transposed_is_faster(model[1].weight, 6)  # one group, once
+    assert not matmul.transposed_is_faster(w, 7)  # the next bucket: inside the margin, F.linear stays
+    assert timed == [(2, 6), (2, 8)]  # every weight of the group timed together, at the bucket's bound
+    model.to(torch.bfloat16)  # another dtype is measured anew, for the same group
+    assert matmul.transposed_is_faster(model[0].weight, 2) and timed[-1] == (2, 2)
+    assert matmul.transposed_is_faster(lone, 2) and timed[-1] == (1, 2)  # a weight outside any group: alone
+    assert sorted(key[2] for key in matmul._FASTER) == [2]
+
+
+def test_the_pass_timing_streams_every_weight_with_each_product():
+    calls = []
+    weights = [torch.randn(6, 4), torch.randn(3, 6)]
+    product = lambda x, w, b: calls.append((tuple(x.shape), tuple(w.shape)))  # noqa: E731
+    times = matmul._median_pass_seconds([product, product], weights, rows=2)
+    assert len(times) == 2 and all(t >= 0 for t in times)
+    assert calls[:2] == [((2, 4), (6, 4)), ((2, 6), (3, 6))]
+    assert len(calls) == 2 * 2 * (matmul.REPEATS + 1)
 
 
 def test_few_row_linears_apply_inside_the_block_only():
@@ -71,10 +94,10 @@ def test_few_row_linears_apply_inside_the_block_only():
     with few_row_linears(model, half, hooked, product=product):
         assert hooked(torch.ones(2, 8)).abs().sum() == 0  # left alone
         torch.testing.assert_close(model(x), torch.relu(F.linear(x, plain.weight, plain.bias)))
-        half(x.to(torch.bfloat16))  # not a float32 CPU weight: its own F.linear
-    assert calls == [(3, 8)]
+        half(x.to(torch.bfloat16))  # a bfloat16 CPU weight: the block's product too
+    assert calls == [(3, 8), (3, 8)]
     assert torch.equal(model(x), torch.relu(F.linear(x, plain.weight, plain.bias)))  # outside: F.linear exactly
-    assert calls == [(3, 8)] and "forward" in hooked.__dict__
+    assert calls == [(3, 8), (3, 8)] and "forward" in hooked.__dict__
 
 
 def test_few_row_linears_end_on_error_and_layers_stay_picklable():
