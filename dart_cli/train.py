@@ -182,6 +182,10 @@ def add_train(sub) -> None:
     p.add_argument("--device", default=d.device, help="auto (default), cpu, cuda, cuda:N")
     p.add_argument("--target-dtype", choices=tuple(WEIGHT_DTYPES),
                    help="dtype of the target's weights (default: bfloat16 on CUDA, float32 on the CPU)")
+    p.add_argument("--head-precision", choices=("float32", "bfloat16"),
+                   help="the head's forward/backward: bfloat16 autocast (float32 weights, optimizer and loss) or "
+                        "float32 (default: bfloat16 on CUDA, and on a CPU where a head-sized bfloat16 product measures "
+                        "faster than float32)")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint-latest")
     p.add_argument("--force", action="store_true",
                    help="start afresh in an OUT that holds a run (deletes its head, checkpoint and logs)")

@@ -30,6 +30,7 @@ import os
 import pickle
 import random
 import shutil
+import statistics
 import time
 import zipfile
 from pathlib import Path
@@ -102,6 +103,9 @@ class TrainConfig:
     ngram_order: int = 3
     device: str = "auto"
     target_dtype: Optional[str] = None  # the target's weights: default bfloat16 on CUDA, float32 on the CPU
+    # the head's forward/backward: "bfloat16" (autocast; float32 weights, optimizer, loss), "float32", or None: bfloat16
+    # on CUDA; on the CPU whichever runs the head's step on the first batch faster (`Trainer.measure_head_precision`)
+    head_precision: Optional[str] = None
     resume: bool = False
     force: bool = False  # start afresh in an `out` that holds a run (its head, checkpoint and logs are removed)
     stop_at: Optional[int] = None  # stop after this step (checkpoint written), e.g. for time-boxed jobs
@@ -138,6 +142,8 @@ class TrainConfig:
             raise DartInputError(f"stop_at must be >= 1, got {self.stop_at!r}")
         if self.time_budget is not None:
             check_float("TrainConfig", "time_budget", self.time_budget, strict=True)
+        if self.head_precision not in (None, "float32", "bfloat16"):
+            raise DartInputError(f"head_precision must be float32 or bfloat16, got {self.head_precision!r}")
         for d in self.data:
             if not os.path.isdir(d):
                 raise FileNotFoundError(f"data directory not found: {d}")
@@ -484,7 +490,7 @@ class Trainer:
         else:
             model.to(self.device).eval().requires_grad_(False)
         self.model = model
-        self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if on_cuda else None
+        self.head_precision = cfg.head_precision or ("bfloat16" if on_cuda else None)  # None: measured below
         if self.dist.main:
             if cfg.force and not cfg.resume:
                 clear_run(self.out)
@@ -503,6 +509,7 @@ class Trainer:
                                      + ", ".join(f"{k} {saved[k]!r} -> {getattr(cfg, k)!r}" for k in diff))
             head = HEAD_CLASSES[cfg.mode].from_pretrained(ckpt, load_ngram=False)
             self.start_step = int(resume_state["step"])
+            self.head_precision = self.head_precision or resume_state.get("head_precision")  # as it was trained
             if cfg.time_budget is None:
                 self.total_steps = int(resume_state.get("total_steps", cfg.steps))
         else:
@@ -535,6 +542,10 @@ class Trainer:
             self.scheduler.load_state_dict(resume_state["scheduler"])
             self.evals_done = int(resume_state.get("evals_done", 0))
             _set_rng_state(resume_state["rng"])
+        if self.head_precision is None:
+            self.head_precision = self.measure_head_precision()
+        self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if self.head_precision == "bfloat16"
+                         else None)
         if self.dist.main:
             with atomic_write(str(self.out / "train_config.json"), "w") as fh:
                 json.dump(dataclasses.asdict(cfg), fh, indent=2)
@@ -577,6 +588,37 @@ class Trainer:
             batches = order.view(-1, per)
             cache[epoch] = batches[torch.randperm(batches.shape[0], generator=g)]
         return cache[epoch]
+
+    def measure_head_precision(self, margin: float = 0.9) -> str:
+        """"bfloat16" when the head's forward and backward on the first batch take at most `margin` of float32's
+        time under bfloat16 autocast on this machine (matrix units make it several times faster; elsewhere it can be
+        slower), else "float32". Two timed repeats each after a warm-up; the weights are not changed."""
+        batch = collate(self.samples_for(self.start_step)).to(self.device)
+        with torch.no_grad():
+            aux, teacher = target_features(self.model, self.layer_ids, batch.input_ids, batch.attention_mask,
+                                           self.vocab_ids)
+        anchors, valid = choose_anchors(batch.lengths.cpu(), batch.prompt_lengths.cpu(), self.cfg.anchors_per_seq,
+                                        self.head.config.draft_length, torch.Generator().manual_seed(0))
+        anchors, valid = anchors.to(self.device), valid.to(self.device)
+
+        def seconds(precision) -> float:
+            times = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                with precision:
+                    real, blocks = self.forward(aux[:, :-1], batch.input_ids[:, 1:], anchors, batch.lengths - 1)
+                dart_loss(real, blocks, teacher, anchors, valid, batch.lengths, batch.prompt_lengths,
+                          self.cfg.gamma).loss.backward()
+                self._sync()
+                times.append(time.perf_counter() - t0)
+                self.head.zero_grad(set_to_none=True)
+            return statistics.median(times[1:])
+
+        self.head.train()
+        fp32 = seconds(contextlib.nullcontext())
+        bf16 = seconds(torch.autocast(self.device.type, dtype=torch.bfloat16))
+        votes = _all_reduce(torch.tensor([float(bf16 <= margin * fp32)], device=self.device), self.dist)
+        return "bfloat16" if int(votes.item()) == self.dist.world else "float32"  # every rank alike
 
     def _anchor_generator(self, step: int) -> torch.Generator:
         return torch.Generator().manual_seed((self.cfg.seed * 1_000_003 + step) * 4099 + self.dist.rank)
@@ -687,7 +729,8 @@ class Trainer:
             save_checkpoint(self.out, self.head, self.optimizer, self.scheduler,
                             {"step": step, "total_steps": self.total_steps,
                              "samples_seen": step * self.cfg.batch_size * self.dist.world,
-                             "evals_done": self.evals_done, "config": dataclasses.asdict(self.cfg)})
+                             "evals_done": self.evals_done, "config": dataclasses.asdict(self.cfg),
+                             "head_precision": self.head_precision})
         if self.dist.world > 1:
             torch.distributed.barrier()
 
@@ -748,7 +791,8 @@ class Trainer:
                                           "lr": self.scheduler.get_last_lr()[0], "tokens_per_s": tok_s,
                                           "target_s_per_step": window["target_s"] / window["n"],
                                           "head_s_per_step": window["head_s"] / window["n"],
-                                          "skipped_steps": window["skipped"], "total_steps": self.total_steps})
+                                          "skipped_steps": window["skipped"], "total_steps": self.total_steps,
+                                          "head_precision": self.head_precision})
                 window.update(kl_sum=window["kl_sum"] * 0, correct=window["correct"] * 0,
                               count=window["count"] * 0, loss=0.0, n=0, tokens=0, target_s=0.0, head_s=0.0,
                               skipped=0, t0=time.perf_counter())
@@ -760,8 +804,11 @@ class Trainer:
                 if last_eval is not None and self.dist.main:
                     bar.write(f"step {step}: held-out loss {last_eval.get('loss', float('nan')):.4f} acc "
                               + "/".join(f"{a:.2f}" for a in last_eval.get("acc", [])[:4]))
-            if step % cfg.checkpoint_every == 0 or step == end():
+            epoch_done = step % self._batches_per_epoch == 0
+            if step % cfg.checkpoint_every == 0 or step == end() or epoch_done:
                 self._checkpoint(step)
+            if epoch_done and self.dist.main:  # kept apart from the rolling checkpoint: an epoch's end survives
+                self.save_head(self.out / f"head-epoch-{step // self._batches_per_epoch}")
         bar.close()
         summary = {"step": step, "losses": losses, "out": str(self.out), "skipped_steps": skipped_total}
         if step == self.total_steps:

@@ -217,7 +217,7 @@ def _config(root, out, **kw) -> TrainConfig:
     base = dict(target=str(root / "target"), data=[str(root / "data")], out=str(out), draft_length=3,
                 draft_vocab_size=64, seq_len=32, batch_size=4, anchors_per_seq=8, lr=3e-3, warmup_steps=2, steps=6,
                 eval_every=1000, checkpoint_every=1000, tau_prompts=0, heldout_fraction=0.1, progress=False,
-                intermediate_size=64)
+                intermediate_size=64, head_precision="float32")
     base.update(kw)
     return TrainConfig(**base)
 
@@ -265,6 +265,44 @@ def test_resume_reproduces_an_uninterrupted_run(tiny_run, tmp_path):
     assert all(torch.equal(sa[i]["exp_avg_sq"], sb[i]["exp_avg_sq"]) for i in sa)
     with pytest.raises(ValueError, match="seq_len"):
         Trainer(_config(root, tmp_path / "b", resume=True, seq_len=16), model=target)
+
+
+@pytest.mark.parametrize("bf16_time,want", [(0.5, "bfloat16"), (0.95, "float32")])
+def test_the_head_precision_is_measured_kept_on_resume_and_logged(tiny_run, tmp_path, monkeypatch, bf16_time, want):
+    root, target = tiny_run
+    clock = iter(range(10 ** 6))
+    timings = {"float32": 1.0, "bfloat16": bf16_time}  # seconds per head step under each precision
+    now = [0.0]
+
+    def fake_clock():  # every head step takes its precision's time; everything else is instant
+        return now[0] + next(clock) * 1e-9
+
+    def forward(self, *args):
+        now[0] += timings["bfloat16" if torch.is_autocast_enabled("cpu") else "float32"]
+        return real_forward(self, *args)
+
+    real_forward = TrainingForward.forward
+    with monkeypatch.context() as patch:
+        patch.setattr("dart_train.trainer.time.perf_counter", fake_clock)
+        patch.setattr(TrainingForward, "forward", forward)
+        trainer = Trainer(_config(root, tmp_path / "p", head_precision=None, stop_at=2), model=target)
+    assert trainer.head_precision == want and (trainer.autocast is not None) == (want == "bfloat16")
+    trainer.run()
+    logged = [json.loads(line) for line in (tmp_path / "p" / "train.jsonl").read_text().splitlines()]
+    assert logged[-1]["head_precision"] == want
+    resumed = Trainer(_config(root, tmp_path / "p", head_precision=None, resume=True), model=target)
+    assert resumed.head_precision == want  # the checkpoint's, not measured again
+    with pytest.raises(ValueError, match="head_precision must be"):
+        _config(root, tmp_path / "q", head_precision="int8").validate()
+
+
+def test_every_finished_epoch_leaves_a_head_of_its_own(tiny_run, tmp_path):
+    root, target = tiny_run
+    per_epoch = Trainer(_config(root, tmp_path / "probe"), model=target)._batches_per_epoch
+    Trainer(_config(root, tmp_path / "e", steps=2 * per_epoch + 1), model=target).run()
+    epochs = sorted(p.name for p in (tmp_path / "e").glob("head-epoch-*"))
+    assert epochs == ["head-epoch-1", "head-epoch-2"]
+    assert DartHead.from_pretrained(tmp_path / "e" / epochs[-1]).config.draft_length == 3
 
 
 # ---- command line -------------------------------------------------------------------------------------------------
