@@ -163,6 +163,10 @@ class DartHeadCache:
         the lengths' values."""
         t = k.shape[2]
         self.reserve(self.span + t)
+        if self.keys.is_inference() and not torch.is_inference_mode_enabled():
+            # filled under `torch.inference_mode()`, continued outside it (as a carried chat cache can be): inference
+            # tensors take no in-place update there, so the cache continues in ordinary copies
+            self.keys, self.values, self.lengths = self.keys.clone(), self.values.clone(), self.lengths.clone()
         dest = (self.lengths[:, None] + torch.arange(t, device=k.device))[:, None, :, None].expand_as(k)  # [B,kv,T,hd]
         self.keys.scatter_(2, dest, k.to(self.keys.dtype))
         self.values.scatter_(2, dest, v.to(self.values.dtype))

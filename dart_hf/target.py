@@ -175,9 +175,10 @@ def _plain_sdpa():
 
 def _grouped_mask(mask: torch.Tensor, batch: int, groups: int) -> torch.Tensor:
     """mask [B or 1, 1, N, S] -> [B, 1, G*N, S] (the N rows repeated G times); inside `grouped_attention`, made once
-    per mask (every layer of a forward gets the same one) unless the mask changed in place."""
+    per mask (every layer of a forward gets the same one) unless the mask changed in place (an inference tensor, made
+    under `torch.inference_mode()`, keeps no version counter: the same object is taken as unchanged)."""
     slot = _LAST_GROUPED_MASK.get()
-    version = (mask._version, groups)
+    version = (None if mask.is_inference() else mask._version, groups)
     if slot is not None and slot[0] is not None and slot[0][0] is mask and slot[0][1] == version:
         return slot[0][2]
     grouped = mask.expand(batch, -1, -1, -1).repeat(1, 1, groups, 1)

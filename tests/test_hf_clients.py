@@ -181,6 +181,31 @@ def test_turns_continue_each_others_caches():
     assert all(torch.equal(a, b) for a, b in zip(replies, plain))
 
 
+@pytest.mark.parametrize("modes", [("inference", "inference", "inference"), ("inference", "no_grad", "inference"),
+                                   ("no_grad", "inference", "no_grad")])
+def test_inference_mode_and_no_grad_alike_and_a_cache_crosses_between_them(modes):
+    """`torch.inference_mode()` broke every DART call on a grouped-query sdpa model (the grouped-mask memo read the
+    version counter inference tensors lack), and a cache filled under it failed the next turn outside it (the head
+    cache's in-place append). Plain does both; so does DART, token for token."""
+    model = dart_hf.enable(tiny_target())  # 4 query heads over 2 key/value heads: the grouped sdpa path
+    head = random_head(model)
+    contexts = {"inference": torch.inference_mode, "no_grad": torch.no_grad}
+
+    def turns(dart_head):
+        cache = DynamicCache(config=model.config)
+        history, replies = torch.zeros(1, 0, dtype=torch.long), []
+        for message, mode in zip(TURNS, modes):
+            with contexts[mode]():
+                out = model.generate(torch.cat((history, message), dim=1), max_new_tokens=10, do_sample=False,
+                                     past_key_values=cache, dart_head=dart_head)
+            replies.append(out[0, history.shape[1] + message.shape[1]:].clone())
+            history = out.clone()
+        return replies
+
+    plain = turns(False)
+    assert all(torch.equal(a, b) for a, b in zip(turns(head), plain))
+
+
 def test_a_cache_that_does_not_hold_the_input_prefix_is_continued_as_plain_continues_it():
     # chat templates re-tokenise the history: the cache may hold other tokens than the input at its positions
     model = dart_hf.enable(tiny_target())
