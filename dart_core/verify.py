@@ -203,7 +203,7 @@ def verify_tree(
     trees: DraftTreeBatch,
     logits: torch.Tensor,
     context_ids: Optional[ContextIds] = None,
-    logits_processor: Optional[LogitsProcessor] = None,
+    logits_processor: Optional[LogitsProcessor | Sequence[LogitsProcessor]] = None,
     do_sample: bool = False,
     generator: Optional[torch.Generator] = None,
 ) -> VerifyResult:
@@ -213,7 +213,8 @@ def verify_tree(
                       INCLUDING the root token. The prefix seen by node i's logits is context + path tokens after
                       the root up to i. Required when a processor is given; each row must end with its root token.
     logits_processor  `proc(input_ids [1, T'], scores [1, V]) -> scores [1, V]`, applied lazily to float32 scores
-                      at visited nodes only, with the node's exact prefix as `input_ids`.
+                      at visited nodes only, with the node's exact prefix as `input_ids`; or a sequence of B such
+                      processors, row b's for row b.
     do_sample=False   greedy: at a visited node take the argmax of the processed scores and follow a child with
                       that token; the bonus is the argmax at the last accepted node. Without a processor this is
                       exactly `verify_greedy`. With a processor the semantics match `verify_greedy` too: when
@@ -258,13 +259,15 @@ def verify_tree(
         for j in range(1, n):
             children[parents[j]].append(j)
         ctx = contexts[b].to(device=device, dtype=torch.long) if contexts is not None else None
+        proc = logits_processor[b] if isinstance(logits_processor, (list, tuple)) else logits_processor
 
-        def scores_at(node: int, path: list[int], _b: int = b, _ctx: Optional[torch.Tensor] = ctx) -> torch.Tensor:
+        def scores_at(node: int, path: list[int], _b: int = b, _ctx: Optional[torch.Tensor] = ctx,
+                      _proc: Optional[LogitsProcessor] = proc) -> torch.Tensor:
             # clone: processors may work in place and a float32 `.float()` would alias the caller's logits
             scores = logits[_b, node].to(torch.float32, copy=True)[None]
-            if logits_processor is not None:
+            if _proc is not None:
                 ids = torch.cat([_ctx, torch.tensor(path, dtype=torch.long, device=device)])[None]
-                scores = logits_processor(ids, scores)
+                scores = _proc(ids, scores)
                 if tuple(scores.shape) != (1, vocab):
                     raise ValueError(f"logits_processor returned shape {tuple(scores.shape)}, expected (1, {vocab})")
             return scores[0]

@@ -21,6 +21,7 @@ from dart_core.head import id_outside_vocab
 from dart_core.matmul import few_row_linears
 from dart_core.sync import synchronize
 from dart_core.tree import score_ranks
+from dart_hf.processors import row_processor, stateful_processor
 from dart_hf.stopping import Stopper
 from dart_hf.target import (TargetPlan, check_attention, check_cache, keep_accepted_path, plan_for,
                             prompt_positions, tapped_hidden_states, tree_attention_mask, tree_forward,
@@ -228,7 +229,8 @@ def _decode(model, input_ids, logits_processor, stopping_criteria, generation_co
     if graphs:  # kept with the head: later calls replay the graphs earlier ones captured
         search = cached_graph(head.cuda_graphs, (ngram, tree_config), search)
         greedy_paths = cached_graph(head.cuda_graphs, ("greedy_paths", depth), greedy_paths)
-    verifier = _Verifier(model, plan, cache, logits_processor, bool(generation_config.do_sample), greedy_paths)
+    verifier = _Verifier(model, plan, cache, logits_processor, bool(generation_config.do_sample), greedy_paths,
+                         pad_token(generation_config))
     scores, raw_logits = [], []
     stopper = Stopper(input_ids, stopping_criteria, generation_config, scores if want_scores else None)
     stats = DartStats(prompt_tokens=int(attention_mask.sum()), sync_timing=sync_timing)
@@ -335,6 +337,7 @@ class _Verifier:
     processors: object
     do_sample: bool
     greedy_paths: object  # `accepted_greedy_paths` with the depth bound (CUDA-graphed or not)
+    pad: int = 0  # the token that fills other rows' prefixes in the processors' batch (`row_processor`)
 
     def __post_init__(self) -> None:
         if self.processors is not None and not len(self.processors):
@@ -346,18 +349,21 @@ class _Verifier:
         return self.processors is not None or self.do_sample
 
     def accept(self, trees: DraftTreeBatch, logits: torch.Tensor, ancestors: torch.Tensor,
-               sequences: Optional[list[torch.Tensor]]) -> "Paths":
-        """The accepted path of every tree: logits [B, N, V] of its nodes, ancestors [B, N, N], `sequences` [1, L_b]
-        ending with the roots (None when `needs_prefixes` is false). Greedy without processors runs on the device
-        without a host synchronisation."""
+               sequences: Optional[list[torch.Tensor]], rows: list[int]) -> "Paths":
+        """The accepted path of every tree: logits [B, N, V] of its nodes, ancestors [B, N, N]; tree b is the
+        caller's row rows[b] and `sequences` holds every caller's row's tokens [1, L_r], ending with the roots (None
+        when `needs_prefixes` is false). Greedy without processors runs on the device without a host
+        synchronisation."""
         if not self.needs_prefixes:
             if trees.num_nodes > 1:
                 return Paths(*self.greedy_paths(trees.tensors(), logits, ancestors))
             bonus = logits[:, 0].argmax(dim=-1)  # [B] a lone root: generate()'s argmax
             b = bonus.shape[0]
             return Paths(bonus.new_zeros(b), bonus, bonus.new_zeros(b, 1), trees.tokens[:, :1], bonus.new_zeros(b, 0))
-        result = verify_tree(trees, logits, context_ids=[s[0] for s in sequences], logits_processor=self.processors,
-                             do_sample=self.do_sample)
+        processors = None if self.processors is None else [
+            row_processor(self.processors, sequences, row, self.pad) for row in rows]
+        result = verify_tree(trees, logits, context_ids=[sequences[row][0] for row in rows],
+                             logits_processor=processors, do_sample=self.do_sample)
         return Paths(*path_summary(trees, result))
 
 
@@ -466,7 +472,7 @@ def prefill(verifier: _Verifier, head: DartHead, input_ids: torch.Tensor, attent
                 use_cache=True, output_hidden_states=list(plan.layer_ids), **_last_logits_only(model))
     logits = out.logits[:, -1:].float()  # [B, 1, V]
     roots, ancestors = root_trees(input_ids[:, -1:])
-    first = verifier.accept(roots, logits, ancestors, list(input_ids.split(1))).bonus  # [B]
+    first = verifier.accept(roots, logits, ancestors, list(input_ids.split(1)), list(range(b))).bonus  # [B]
     # the head reads each prompt's real rows from its first one: left-align them (R = the longest prompt)
     real = attention_mask.sum(dim=1) - past  # [B] new real positions
     rows = int(real.max())
@@ -555,8 +561,7 @@ def verify_step(verifier: _Verifier, trees: DraftTreeBatch, ancestors: torch.Ten
                        verifier.plan.layer_ids)
     t2 = stats.clock(device)
     logits = out.logits.float()  # [B, N, V]
-    paths = verifier.accept(trees, logits, ancestors,
-                            None if sequences is None else [sequences[row] for row in batch.rows])
+    paths = verifier.accept(trees, logits, ancestors, sequences, batch.rows)
     d = paths.ranks.shape[1]
     # the step's one synchronisation: per row [a, ranks (d), nodes (d+1), tokens (d+1), bonus]
     host = torch.cat((paths.accept_length[:, None], paths.ranks, paths.nodes, paths.tokens, paths.bonus[:, None]),
@@ -625,9 +630,11 @@ def _prepare(model, head: DartHead, input_ids, generation_config, model_kwargs, 
     if batch_size > 1 and streamer is not None:
         raise DartInputError("streamers take one sequence (batch size 1), as in transformers; got batch size "
                              f"{batch_size}")
-    if batch_size > 1 and any(isinstance(p, _prefix_processor_class()) for p in processors or []):
-        raise DartInputError("prefix_allowed_tokens_fn needs batch size 1 with dart_head (it is called with each "
-                             "row's batch index, which per-node verification does not have)")
+    stateful = stateful_processor(processors)
+    if stateful is not None:
+        raise DartInputError(f"the logits processor {stateful} keeps state between calls (e.g. guidance_scale's "
+                             "unconditional pass), which DART's per-node verification cannot replay as plain "
+                             "generate() calls it")
     if batch_size > 1 and want_scores:
         raise DartInputError("output_scores / output_logits with dart_head need batch size 1 (sequences of a batch "
                              "advance by different numbers of tokens per step)")
@@ -660,10 +667,13 @@ def _prepare(model, head: DartHead, input_ids, generation_config, model_kwargs, 
     return plan_for(model, head, tokenizer), attention_mask.long(), cache, past
 
 
-def _prefix_processor_class():
-    from transformers import PrefixConstrainedLogitsProcessor
-
-    return PrefixConstrainedLogitsProcessor
+def pad_token(generation_config) -> int:
+    """The token that pads a batch: the config's pad, else its (first) EOS, else 0."""
+    for value in (generation_config.pad_token_id, generation_config.eos_token_id):
+        value = torch.as_tensor(value).flatten().tolist() if value is not None else []
+        if value:
+            return int(value[0])
+    return 0
 
 
 def _check_left_padding(attention_mask: torch.Tensor, input_ids: torch.Tensor) -> None:

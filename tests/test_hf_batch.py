@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from transformers import PreTrainedTokenizerFast, pipeline
+from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedTokenizerFast, pipeline
 
 import dart_hf
 from dart_core import TreeConfig, VerifyResult, verify_tree
@@ -158,9 +158,59 @@ def test_a_stopped_row_is_padded_with_eos_when_there_is_no_pad_token():
     assert torch.equal(out, plain)
 
 
-def test_batch_only_refusals():
+# ---- logits processors get plain's calls: row i is row i of the batch they receive ------------------------------
+
+class RowRules(LogitsProcessor):
+    """A custom processor that treats the rows of its batch differently: row r may not emit tokens = r (mod 3)."""
+
+    def __init__(self):
+        self.batch_sizes = set()
+
+    def __call__(self, input_ids, scores):
+        self.batch_sizes.add(input_ids.shape[0])
+        ids = torch.arange(scores.shape[-1])
+        for r in range(scores.shape[0]):
+            scores[r, ids % 3 == r % 3] = -float("inf")
+        return scores
+
+
+@pytest.mark.parametrize("case", ["repetition_penalty", "row_rules", "prefix_fn", "sampled_row_rules"])
+def test_processors_see_the_batch_as_plain_generate_shows_it(case):
+    """repetition_penalty in a left-padded batch raised (the processor got one row of a batch it knew as B rows); a
+    processor with per-row rules applied row 0's rule to every row; prefix_allowed_tokens_fn was refused."""
     model = dart_hf.enable(tiny_target())
-    ids, mask = left_padded((5, 3), seed=2)
-    with pytest.raises(ValueError, match="prefix_allowed_tokens_fn needs batch size 1"):
-        model.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=PAD, dart_head=random_head(model),
-                       prefix_allowed_tokens_fn=lambda batch_id, sent: [1, 2, 3])
+    ids, mask = left_padded((5, 8, 3), seed=4)
+    reference = model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=PAD)
+    head = oracle_head(model, reference[1], wrong_every=4)
+    kwargs = dict(attention_mask=mask, max_new_tokens=16, pad_token_id=PAD, do_sample=case.startswith("sampled"))
+    if case == "repetition_penalty":
+        kwargs["repetition_penalty"] = 1.3
+    elif case == "prefix_fn":
+        kwargs["prefix_allowed_tokens_fn"] = lambda batch_id, sent: list(range(10 * batch_id + 1, 10 * batch_id + 40))
+    results = []
+    for dart_head in (False, head):
+        if case.endswith("row_rules"):
+            rules = RowRules()
+            kwargs["logits_processor"] = LogitsProcessorList([rules])
+        torch.manual_seed(0)
+        results.append(model.generate(ids, dart_head=dart_head, **kwargs))
+        if case.endswith("row_rules"):
+            assert rules.batch_sizes == {3}  # never one row alone
+    if case.startswith("sampled"):  # the draws differ; every row keeps its own rule
+        new = results[1][:, ids.shape[1]:]
+        assert all(bool((new[r] % 3 != r % 3).all()) for r in range(3))
+    else:
+        assert torch.equal(results[1], results[0])
+
+
+def test_a_processor_with_state_between_calls_is_refused_by_name_and_an_attached_head_runs_plain():
+    model = dart_hf.enable(tiny_target())
+    head = random_head(model)
+    ids = torch.tensor([[5, 17, 33, 2, 9]])
+    kwargs = dict(max_new_tokens=8, do_sample=False, guidance_scale=1.5)
+    with pytest.raises(ValueError, match="UnbatchedClassifierFreeGuidanceLogitsProcessor keeps state"):
+        model.generate(ids, dart_head=head, **kwargs)
+    plain = model.generate(ids, **kwargs)
+    attached = dart_hf.enable(tiny_target(), head)
+    with pytest.warns(dart_hf.DartFallbackWarning, match="UnbatchedClassifierFreeGuidanceLogitsProcessor"):
+        assert torch.equal(attached.generate(ids, **kwargs), plain)

@@ -1,0 +1,57 @@
+"""generate()'s logits processors called as plain generate() calls them, one verified position at a time.
+
+Plain `generate()` calls its processor list once per step with the whole batch: `input_ids` [B, T] (every row's
+prefix, left padding included) and `scores` [B, V], and reads row i of the result for row i. DART verifies each row
+at its own pace, one tree node at a time, so it calls the list once per visited node with the same layout: the row
+being verified in its own slot i with that node's exact prefix, every other row its own tokens cut (or left-padded)
+to the same length with zero scores, and reads slot i. A processor that treats rows differently (per-row rules,
+`prefix_allowed_tokens_fn`'s batch id, a prompt length per row) therefore applies row i's rule to row i, and one
+that checks the batch size sees generate()'s.
+
+That is exact for processors whose output for a row depends on that row's prefix and scores alone: every processor
+transformers builds from a generation config for a decoder-only model, and any custom one that keeps no state
+between calls. A processor with its own state across calls (`STATEFUL`) cannot get plain's calls: DART refuses it
+by name (`NotApplicable`; an attached head runs plain `generate()` with one warning).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+# processors that keep state between calls (classifier-free guidance's cache of the unconditional pass) or follow a
+# whole-batch timeline (Whisper's): their calls cannot be replayed per verified node
+STATEFUL = ("UnbatchedClassifierFreeGuidanceLogitsProcessor", "WhisperTimeStampLogitsProcessor",
+            "WhisperNoSpeechDetection")
+
+RowProcessor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (ids [1, T], scores [1, V]) -> [1, V]
+
+
+def stateful_processor(processors) -> Optional[str]:
+    """The class name of the first processor of `processors` that keeps state between calls, or None."""
+    return next((type(p).__name__ for p in processors or () if type(p).__name__ in STATEFUL), None)
+
+
+def _cut(tokens: torch.Tensor, length: int, pad: int) -> torch.Tensor:
+    """tokens [L] -> [length]: its first `length` tokens, or left-padded with `pad` when shorter."""
+    if tokens.shape[0] >= length:
+        return tokens[:length]
+    return torch.cat((tokens.new_full((length - tokens.shape[0],), pad), tokens))
+
+
+def row_processor(processors, sequences: list[torch.Tensor], row: int, pad: int) -> RowProcessor:
+    """Caller's row `row`'s view of `processors` (module docstring): `sequences` holds every row's tokens so far
+    ([1, L_r] each, left padding included); `pad` fills rows shorter than the prefix asked about."""
+    if len(sequences) == 1:
+        return processors
+
+    def call(ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        length = ids.shape[1]
+        batch_ids = torch.stack([ids[0] if r == row else _cut(seq[0].to(ids.device), length, pad)
+                                 for r, seq in enumerate(sequences)])  # [B, T]
+        batch_scores = scores.new_zeros(len(sequences), scores.shape[-1])
+        batch_scores[row] = scores[0]
+        return processors(batch_ids, batch_scores)[row : row + 1]
+
+    return call
