@@ -4,7 +4,7 @@
     python benchmarks/bench_batch.py --batch-sizes 1,2 --prompts 2 --max-new-tokens 8     # a quick check
 
 Greedy, the first `--prompts` MT-Bench first turns (chat template, left-padded as a tokenizer pads a decoder-only
-batch) from the shipped MT-Bench set, the shipped head (tree size: the cached calibration for this machine, else the head's).
+batch) from the shipped MT-Bench set, the shipped head (tree size: the one chosen for this machine, `dart_hf.tree_choice`).
 For each batch size B the prompts are split into consecutive groups of B; each group runs plain `generate()` and
 `generate(dart_head=...)` back to back, `--repeats` times alternating. tokens/s counts every row's new tokens up to
 its stop (padding excluded) over the call's wall time; the speedup is the median over repeats of DART's tokens/s
@@ -22,7 +22,7 @@ import time
 import torch
 
 import dart_hf
-from dart_bench import DATA_DIR, load_prompt_sets
+from dart_bench import DATA_DIR, decoding_tree, load_prompt_sets
 from results_io import write_results
 
 
@@ -66,7 +66,7 @@ def main(argv=None) -> int:
     tokenizer.pad_token_id = pad
     texts = mt_bench(args.prompts)
     results = {"max_new_tokens": args.max_new_tokens, "threads": args.threads, "prompts": len(texts),
-               "tree_nodes": head.tree_config.remain_total if head.tree_config else None, "batch_sizes": {}}
+               "tree_nodes": decoding_tree(model, head).remain_total, "batch_sizes": {}}
     for size in (int(s) for s in args.batch_sizes.split(",")):
         groups = [texts[i: i + size] for i in range(0, len(texts) - size + 1, size)]
         ratios, plain_rates, dart_rates, identical, taus, forwards = [], [], [], 0, [], 0

@@ -3,7 +3,7 @@
     python benchmarks/bench_call_cost.py --json benchmarks/results/call_cost.json
     python benchmarks/bench_call_cost.py --prompt-tokens 50 --new-tokens 1,4 --repeats 1     # a quick check
 
-SmolLM2-135M-Instruct and the shipped head (tree size: the cached calibration for this machine, else the head's),
+SmolLM2-135M-Instruct and the shipped head (tree size: the one chosen for this machine, `dart_hf.tree_choice`),
 greedy, batch 1. Prompts are GSM8K-style few-shot harness prompts ("Question: ...\\nAnswer: ..." shots from
 the shipped GSM8K slice, then a question) cut to `--prompt-tokens` tokens. For each prompt length and each output length n
 (`min_new_tokens` = `max_new_tokens` = n, so both decode exactly n tokens), plain and DART calls alternate
@@ -55,25 +55,26 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", default="1,2,4,8,16,32,128")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--remain-total", type=int, help="draft nodes per tree (default: calibrated, else the head's)")
+    parser.add_argument("--remain-total", type=int, help="draft nodes per tree (default: chosen for this machine)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     model, tokenizer, head = dart_hf.load_default()
+    tree = dart_hf.tree_choice(model, head).tree_config
     if args.remain_total is not None:
-        head.tree_config = dataclasses.replace(head.tree_config, remain_total=args.remain_total)
-    results = {"threads": args.threads, "repeats": args.repeats, "tree": str(head.tree_config), "rows": []}
-    print(f"tree: {head.tree_config}")
+        tree = dataclasses.replace(tree, remain_total=args.remain_total)
+    results = {"threads": args.threads, "repeats": args.repeats, "tree": str(tree), "rows": []}
+    print(f"tree: {tree}")
     print("prompt  new  plain ms  dart ms  ratio  setup  prefill  first-draft  decode  identical")
     for length in (int(x) for x in args.prompt_tokens.split(",")):
         ids = harness_prompt(tokenizer, length)
         timed_call(model, ids, 4)  # warm-up
-        timed_call(model, ids, 4, dart_head=head)
+        timed_call(model, ids, 4, dart_head=head, dart_tree_config=tree)
         for n in (int(x) for x in args.new_tokens.split(",")):
             plain_s, dart_s, phases, identical = [], [], [], True
             for _ in range(args.repeats):
                 seconds, want = timed_call(model, ids, n)
                 plain_s.append(seconds)
-                seconds, got = timed_call(model, ids, n, dart_head=head)
+                seconds, got = timed_call(model, ids, n, dart_head=head, dart_tree_config=tree)
                 dart_s.append(seconds)
                 identical &= torch.equal(want, got)
                 s = dart_hf.last_stats(model)

@@ -6,8 +6,8 @@
 
 Greedy, batch 1, `--max-new-tokens` (128) per prompt, MT-Bench first turns and the first HumanEval prompts (chat
 template) from the sets shipped in dart_bench/data. For each prompt plain `generate()` and DART run back to back on the same machine;
-tokens/s are summed per set and the speedup is the ratio of the two within this run. The tree size is the cached
-calibration for this machine if there is one (`dart-spec demo --calibrate`), else the head's.
+tokens/s are summed per set and the speedup is the ratio of the two within this run. The tree size is the one chosen
+for this machine (`dart_hf.tree_choice`), or `--remain-total`.
 
 `--kernel-control` adds a third run per prompt: plain `generate()` whose one-row linear products are computed as a
 two-row `W @ x.T` product (the row twice, one result kept) - the few-row kernel DART's verify step uses
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import json
 import statistics
 import sys
@@ -33,9 +32,8 @@ import torch
 
 import dart_hf
 from dart_core.matmul import few_row_linears
-from dart_hf.target import tree_settings
 from kernel_control import one_row_as_two
-from dart_bench import DATA_DIR, load_prompt_sets
+from dart_bench import DATA_DIR, decoding_tree, load_prompt_sets
 from results_io import write_results
 
 
@@ -60,7 +58,7 @@ def main(argv=None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--head", metavar="DIR", help="another DART head for SmolLM2 (default: the shipped one)")
-    parser.add_argument("--remain-total", type=int, help="draft nodes per tree (default: calibrated, else the head's)")
+    parser.add_argument("--remain-total", type=int, help="draft nodes per tree (default: chosen for this machine)")
     parser.add_argument("--kernel-control", action="store_true",
                         help="also time plain decoding with the few-row kernel (see above)")
     parser.add_argument("--head-dtype-control", metavar="DTYPE",
@@ -68,16 +66,13 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     model, tokenizer, head = dart_hf.load_default(args.head)
-    if args.remain_total is not None:
-        head.tree_config = dataclasses.replace(tree_settings(head, model.generation_config),
-                                               remain_total=args.remain_total)
-    dart_hf.enable(model)
+    tree = decoding_tree(model, head, args.remain_total)
     other_head = None
     if args.head_dtype_control:
         other_head = copy.deepcopy(head).to(getattr(torch, args.head_dtype_control))
         other_head.set_input_embeddings(model.get_input_embeddings())
     results = {"max_new_tokens": args.max_new_tokens, "threads": args.threads,
-               "tree_nodes": head.tree_config.remain_total if head.tree_config else None,
+               "tree_nodes": tree.remain_total,
                "head_dtype": str(head.fc.weight.dtype).replace("torch.", ""),
                "head_dtype_control": args.head_dtype_control, "sets": {}}
     for name, prompts in prompt_sets(args.mt_bench, args.humaneval).items():
@@ -89,7 +84,7 @@ def main(argv=None) -> int:
             ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                                 return_tensors="pt", return_dict=True)["input_ids"]
             plain, t_plain = timed_generate(model, ids, args.max_new_tokens)
-            dart, t_dart = timed_generate(model, ids, args.max_new_tokens, dart_head=head)
+            dart, t_dart = timed_generate(model, ids, args.max_new_tokens, dart_head=head, dart_tree_config=tree)
             identical += int(torch.equal(plain, dart))
             plain_tokens += plain.shape[1] - ids.shape[1]
             dart_tokens += dart.shape[1] - ids.shape[1]
@@ -102,7 +97,7 @@ def main(argv=None) -> int:
                 control_tokens += control.shape[1] - ids.shape[1]
                 control_time += t_control
             if other_head is not None:
-                out, t_other = timed_generate(model, ids, args.max_new_tokens, dart_head=other_head)
+                out, t_other = timed_generate(model, ids, args.max_new_tokens, dart_head=other_head, dart_tree_config=tree)
                 other["identical"] += int(torch.equal(plain, out))
                 other["tokens"] += out.shape[1] - ids.shape[1]
                 other["time"] += t_other

@@ -3,7 +3,7 @@
     python benchmarks/bench_harness.py --json benchmarks/results/harness.json
     python benchmarks/bench_harness.py --questions 4 --batch-sizes 1 --shots 0     # a quick check
 
-SmolLM2-135M-Instruct and the shipped head (tree size: the cached calibration for this machine, else the head's),
+SmolLM2-135M-Instruct and the shipped head (tree size: the one chosen for this machine, `dart_hf.tree_choice`),
 through `lm_eval.models.huggingface.HFLM(pretrained=model, batch_size=B).generate_until` with GSM8K-style requests:
 `--shots` solved GSM8K training problems ("Question: ...\\nAnswer: ...") then a question, until = ["Question:",
 "\\n\\n", "<|im_end|>"], `--max-gen-toks` 96, greedy, as the harness's GSM8K task asks. For each shot count and batch
@@ -24,7 +24,7 @@ import time
 import torch
 
 import dart_hf
-from dart_bench import read_prompt_rows
+from dart_bench import decoding_tree, read_prompt_rows
 from results_io import write_results
 
 UNTIL = ["Question:", "\n\n", "<|im_end|>"]
@@ -69,9 +69,10 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     model, tokenizer, head = dart_hf.load_default()  # `model` has no head attached: plain generate()
     attached = dart_hf.enable(copy.deepcopy(model), head)  # the same weights with the head attached
-    results = {"threads": args.threads, "tree": str(head.tree_config), "questions": args.questions, "rows": []}
+    tree = decoding_tree(model, head)  # what the attached head's calls decode with
+    results = {"threads": args.threads, "tree": str(tree), "questions": args.questions, "rows": []}
     identical_all = True
-    print(f"tree: {head.tree_config}")
+    print(f"tree: {tree}")
     print("shots  batch  prompt tokens  plain s  DART s  speedup  identical")
     for shots in (int(s) for s in args.shots.split(",")):
         contexts = gsm8k_contexts(args.questions, shots)

@@ -84,6 +84,16 @@ def load_prompt_sets(data_dir: str | Path, per_set: int, sets: Sequence[str] = P
     return out
 
 
+def first_difference(out: torch.Tensor, reference: torch.Tensor) -> Optional[int]:
+    """The first index where token rows `out` [n] and `reference` [m] differ (a length difference counts there), or
+    None when they are equal."""
+    n = min(out.shape[0], reference.shape[0])
+    differ = (out[:n] != reference[:n]).nonzero()
+    if len(differ):
+        return int(differ[0])
+    return None if out.shape[0] == reference.shape[0] else n
+
+
 # ---- measuring one generate call ----------------------------------------------------------------------------------
 class TargetMeter:
     """Forward hooks on the target: how many forwards ran and how long each took (prefill = the first). On CUDA
@@ -165,7 +175,17 @@ def run_once(model, meter: TargetMeter, ids: torch.Tensor, method: str, drafters
                tree_s=stats.tree_time if stats is not None else 0.0, output=out[0, ids.shape[1]:].cpu())
 
 
-# ---- tree settings per drafter --------------------------------------------------------------------------------------
+# ---- tree settings per drafter ------------------------------------------------------------------------------------
+def decoding_tree(model, head, remain_total: Optional[int] = None) -> TreeConfig:
+    """The tree a `generate(dart_head=head)` call decodes with on this machine (`dart_hf.tree_choice`; a head without
+    an acceptance curve: its own settings), with `remain_total` overriding the size."""
+    from dart_hf.calibration import base_tree_config, tree_choice
+
+    choice = tree_choice(model, head)
+    tree = choice.tree_config if choice is not None else base_tree_config(model, head)
+    return tree if remain_total is None else dataclasses.replace(tree, remain_total=remain_total)
+
+
 def calibrated_tree(model, tokenizer, drafter, searches: Sequence[dict] = ({},), refresh: bool = False,
                     progress: Optional[bool] = True) -> tuple[TreeConfig, list[dict]]:
     """The fastest tree settings for `drafter` on this machine: for each search setting (TreeConfig overrides, e.g.

@@ -94,6 +94,7 @@ def model_demo(prompt: str = DEFAULT_PROMPT, max_new_tokens: int = 128, repeats:
     from transformers import TextStreamer
 
     import dart_hf
+    from dart_bench import first_difference
     from dart_hf.calibration import base_tree_config, tree_choice
 
     model, tokenizer, head = dart_hf.load_default(head_dir, target_dtype=DEMO_DTYPES[dtype])
@@ -164,11 +165,3 @@ def model_demo(prompt: str = DEFAULT_PROMPT, max_new_tokens: int = 128, repeats:
 
 DEMO_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-
-def first_difference(a: torch.Tensor, b: torch.Tensor) -> Optional[int]:
-    """The first index where token rows `a` [n] and `b` [m] differ (a length difference counts), or None."""
-    n = min(a.shape[0], b.shape[0])
-    differ = (a[:n] != b[:n]).nonzero()
-    if len(differ):
-        return int(differ[0])
-    return None if a.shape[0] == b.shape[0] else n

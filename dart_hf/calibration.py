@@ -61,6 +61,7 @@ from dart_core import AcceptanceCurve, DartHead, TreeConfig
 from dart_core.errors import DartInputError
 from dart_core.io import atomic_write
 from dart_core.sync import synchronize
+from dart_hf.enable import DartGenerationMixin
 from dart_hf.loop import DartStats, dart_decoding, last_stats
 from dart_hf.target import (keep_accepted_path, plan_for, tree_attention_mask,
                             tree_forward, tree_forwards, tree_settings)
@@ -317,8 +318,10 @@ def acceptance_run(model, head: DartHead, prompts: Sequence[torch.Tensor], tree_
             ids = ids.to(device)
             decode = functools.partial(dart_decoding, dart_head=head, dart_tree_config=tree_config,
                                        dart_streamer=_CountingStreamer(bar))
+            # an attached head's generate() would decline another custom_generate: this call is the model's own
+            own = {"dart_head": False} if isinstance(model, DartGenerationMixin) else {}
             model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-                           custom_generate=decode)
+                           custom_generate=decode, **own)
             merged.merge(last_stats(model))
     finally:
         bar.close()
