@@ -119,3 +119,30 @@ def test_lm_eval_generate_until_with_the_shipped_head_equals_plain(batch_size):
     plain = run(model)
     assert run(attached) == plain and any(plain)
     assert attached.dart_stats is not None  # the harness's calls went through DART
+
+
+def test_bfloat16_dart_leaves_plain_no_earlier_than_prompt_lookup():
+    """In bfloat16 a tree forward rounds differently from a one-token forward, so greedy DART can part from plain
+    bfloat16 at a near-tie, as transformers' prompt lookup can (the peer with the same property, and the control
+    that parts too). Over 10 MT-Bench prompts DART must not part earlier than prompt lookup (median first new token
+    that differs; an identical output counts as the whole length); in float32 both stay identical."""
+    import statistics
+
+    from dart_bench import DATA_DIR, PROMPT_LOOKUP_TOKENS, first_difference, load_prompt_sets
+
+    model, tokenizer, head = dart_hf.load_default(target_dtype=torch.bfloat16)
+    tree = dart_hf.calibration.base_tree_config(model, head)
+    tree = type(tree)(**{**tree.to_dict(), "remain_total": 12})  # what this machine's first call chose in bfloat16
+    new = 64
+    parted = {"dart": [], "prompt_lookup": []}
+    for text in load_prompt_sets(DATA_DIR, 10, ["mt_bench"])["mt_bench"]:
+        ids = chat(tokenizer, text)
+        kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new, do_sample=False)
+        plain = model.generate(ids, **kwargs)[0, ids.shape[1]:]
+        runs = {"dart": model.generate(ids, dart_head=head, dart_tree_config=tree, **kwargs),
+                "prompt_lookup": model.generate(ids, prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS, **kwargs)}
+        for name, out in runs.items():
+            where = first_difference(out[0, ids.shape[1]:], plain)
+            parted[name].append(new if where is None else where)
+    print(parted)
+    assert statistics.median(parted["dart"]) >= statistics.median(parted["prompt_lookup"])
