@@ -75,7 +75,7 @@ PHASES = ("head", "tree", "mask", "target", "accept", "compact", "verify")
 # Token-for-token identity with plain greedy is required in float32 (exit status 1 otherwise). In bfloat16 / float16
 # a multi-token forward (the tree) rounds differently from a one-token forward, so greedy outputs drift apart at
 # near-ties: transformers' own prompt-lookup decoding does the same (BENCHMARKS.md,
-# benchmarks/low_precision_identity.py); identity there is reported, not required.
+# benchmarks/bench_cpu_speed.py); identity there is reported, not required.
 EXACT_DTYPES = ("float32", "float64")
 OVERHEAD_GOAL = 0.15  # overhead per step as a fraction of a plain step, H100/H200-class GPU, SmolLM2-135M
 WARMUP_TOKENS = 16
