@@ -66,6 +66,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from results_io import write_results  # noqa: E402
 
+from dart_bench import first_difference  # noqa: E402
 from dart_core.sync import synchronize  # noqa: E402
 from dart_hf.loop import tau_of  # noqa: E402
 
@@ -130,15 +131,6 @@ def timed_generate(model, ids: torch.Tensor, max_new_tokens: int, **kwargs) -> t
     return out, time.perf_counter() - t0
 
 
-def first_mismatch(a: torch.Tensor, b: torch.Tensor, start: int) -> Optional[int]:
-    """Index (in new tokens) of the first position where `a` and `b` [1, L] differ after `start`; None if equal."""
-    a, b = a[0, start:].tolist(), b[0, start:].tolist()
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
 # ---- one dtype ----------------------------------------------------------------------------------------------------
 class Progress:
     def __init__(self) -> None:
@@ -183,7 +175,7 @@ def dart_run(model, head, tree_config, graph: bool, ids: torch.Tensor, plain_out
     out, t = timed_generate(model, ids, max_new_tokens, dart_head=head, dart_tree_config=tree_config,
                             dart_sync_timing=synced, dart_cuda_graph=graph)
     stats = model.dart_stats
-    mismatch = first_mismatch(out, plain_out, ids.shape[1])
+    mismatch = first_difference(out[0, ids.shape[1]:], plain_out[0, ids.shape[1]:])
     row = {"repeat": repeat, "prompt": prompt, "new_tokens": out.shape[1] - ids.shape[1], "wall_s": t,
            "prefill_s": stats.prefill_time, "steps": stats.steps, "accepted": sum(stats.accepted_lengths),
            "tree_nodes": stats.tree_nodes, "tau": stats.tau, "identical": mismatch is None,
