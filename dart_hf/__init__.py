@@ -18,10 +18,10 @@ from dart_hf.calibration import MachineCost, TreeChoice, calibrate, tree_choice
 from dart_hf.candidate import DartCandidateGenerator
 from dart_hf.default import load_default
 from dart_hf.enable import DartFallbackWarning, DartGenerationMixin, enable
-from dart_hf.loop import DartStats, dart_decoding, last_stats
+from dart_hf.loop import DartStats, NotApplicable, dart_decoding, last_stats
 from dart_hf.outputs import DartGenerateOutput
 from dart_hf.smollm2 import load_smollm2
 
 __all__ = ["DartCandidateGenerator", "DartFallbackWarning", "DartGenerateOutput", "DartGenerationMixin", "DartStats",
-           "MachineCost", "TreeChoice", "calibrate", "dart_decoding", "enable", "last_stats", "load_default",
+           "MachineCost", "NotApplicable", "TreeChoice", "calibrate", "dart_decoding", "enable", "last_stats", "load_default",
            "load_smollm2", "tree_choice"]

@@ -33,14 +33,28 @@ class DartOptions:
     sync_timing: bool = False
     cuda_graph: bool = False
 
+    def __post_init__(self) -> None:
+        from dart_core.ngram import NGramModel
+
+        if self.ngram is not None and not isinstance(self.ngram, NGramModel):
+            raise TypeError(f"dart_ngram must be a dart_core.NGramModel (or None for the head's own), got "
+                            f"{type(self.ngram).__name__}")
+        if self.tree_config is not None and not isinstance(self.tree_config, TreeConfig):
+            raise TypeError(f"dart_tree_config must be a dart_core.TreeConfig (or None for the head's own), got "
+                            f"{type(self.tree_config).__name__}")
+        for name in ("sync_timing", "cuda_graph"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"dart_{name} must be True or False, got {getattr(self, name)!r}")
+
     def with_call(self, asked: dict) -> "DartOptions":
         """These settings with a call's `dart_*` arguments (`asked`, without `dart_head`) taking precedence."""
         given = {name[len("dart_"):]: value for name, value in asked.items() if value is not None}
         return dataclasses.replace(self, **given)
 
-    def decoding(self, streamer, tokenizer):
-        """The `custom_generate` callable that decodes a call with these settings."""
-        return functools.partial(dart_decoding, dart_head=self.head, dart_ngram=self.ngram,
+    def decoding(self, streamer, tokenizer, synced_gpus: bool):
+        """The `custom_generate` callable that decodes a call with these settings (generate() passes a callable
+        neither the call's streamer, tokenizer nor `synced_gpus`: they are bound here)."""
+        return functools.partial(dart_decoding, synced_gpus=synced_gpus, dart_head=self.head, dart_ngram=self.ngram,
                                  dart_tree_config=self.tree_config, dart_streamer=streamer, dart_tokenizer=tokenizer,
                                  dart_sync_timing=self.sync_timing, dart_cuda_graph=self.cuda_graph)
 
@@ -84,12 +98,11 @@ class DartGenerationMixin:
             if choice is not None:
                 options = dataclasses.replace(options, tree_config=choice.tree_config)
         dart_kwargs = dict(kwargs)
-        # generate() hands neither of these to a custom_generate callable: the DART loop gets them itself, and
-        # generate() builds stop-string criteria with the call's tokenizer (`_get_stopping_criteria`)
         streamer = dart_kwargs.pop("streamer", None)
         tokenizer = dart_kwargs.get("tokenizer")
-        dart_kwargs["custom_generate"] = options.decoding(streamer, tokenizer)
-        try:
+        dart_kwargs["custom_generate"] = options.decoding(streamer, tokenizer,
+                                                          synced_gpus(self, kwargs.get("synced_gpus")))
+        try:  # generate() drops the call's tokenizer on the custom_generate path: the two methods below get it here
             return contextvars.copy_context().run(_with_tokenizer, tokenizer, super().generate, inputs,
                                                   generation_config, **dart_kwargs)
         except NotApplicable as err:
@@ -98,9 +111,13 @@ class DartGenerationMixin:
             return self._plain_generate(str(err), inputs, generation_config, kwargs)
 
     def _get_stopping_criteria(self, generation_config, stopping_criteria, tokenizer=None):
-        # a DART call's tokenizer, which generate() drops on its custom_generate path, for stop strings
+        # stop strings need the call's tokenizer
         return super()._get_stopping_criteria(generation_config, stopping_criteria,
                                               tokenizer if tokenizer is not None else _CALL_TOKENIZER.get())
+
+    def heal_tokens(self, input_ids, tokenizer=None):
+        # token healing needs the call's tokenizer
+        return super().heal_tokens(input_ids, tokenizer if tokenizer is not None else _CALL_TOKENIZER.get())
 
     def _plain_generate(self, reason: str, inputs, generation_config, kwargs):
         """The call as plain generate(), after one warning naming `reason` (once per reason and call site)."""
@@ -174,6 +191,19 @@ def _with_tokenizer(call_tokenizer, generate, *args, **kwargs):
     """`generate(*args, **kwargs)` with `call_tokenizer` as the call's (run in a copied context)."""
     _CALL_TOKENIZER.set(call_tokenizer)
     return generate(*args, **kwargs)
+
+
+def synced_gpus(model, asked: Optional[bool]) -> bool:
+    """generate()'s `synced_gpus` for a call on `model`: as `asked`, else whether the model is sharded across
+    processes that must step together (DeepSpeed ZeRO-3 or FSDP, more than one process), as generate() decides."""
+    if asked is not None:
+        return bool(asked)
+    import torch.distributed as dist
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+    from transformers.integrations.fsdp import is_fsdp_managed_module
+
+    processes = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return (is_deepspeed_zero3_enabled() or is_fsdp_managed_module(model)) and processes > 1
 
 
 def enable(model, head: Optional[DartHead] = None, *, ngram=None, tree_config: Optional[TreeConfig] = None):

@@ -22,10 +22,9 @@ from dart_core.matmul import few_row_linears
 from dart_core.sync import synchronize
 from dart_core.tree import score_ranks
 from dart_hf.processors import row_processor, stateful_processor
-from dart_hf.stopping import Stopper
-from dart_hf.target import (TargetPlan, check_attention, check_cache, keep_accepted_path, plan_for,
-                            prompt_positions, tapped_hidden_states, tree_attention_mask, tree_forward,
-                            tree_forwards, tree_settings)
+from dart_hf.stopping import Stopper, pad_token
+from dart_hf.target import (TargetPlan, check_attention, check_cache, keep_accepted_path, plan_for, prompt_positions,
+                            tapped_hidden_states, tree_attention_mask, tree_forward, tree_forwards, tree_settings)
 
 
 def tau_of(accepted: int, steps: int) -> float:
@@ -211,11 +210,12 @@ def _decode(model, input_ids, logits_processor, stopping_criteria, generation_co
     want_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
     want_logits = bool(generation_config.return_dict_in_generate and generation_config.output_logits)
     try:
-        plan, attention_mask, cache, past = _prepare(model, head, input_ids, generation_config, model_kwargs,
-                                                     tokenizer, streamer, want_scores or want_logits,
-                                                     logits_processor, synced_gpus)
+        prepared = _prepare(model, head, input_ids, generation_config, model_kwargs, tokenizer, streamer,
+                            want_scores or want_logits, logits_processor, synced_gpus)
     except DartInputError as err:
         raise NotApplicable(str(err)) from None
+    input_ids = input_ids.long()  # generate()'s output is int64 whatever integer type the prompt had
+    attention_mask, cache, past = prepared.attention_mask, prepared.cache, prepared.past
     ngram = ngram if ngram is not None else head.ngram
     tree_config = tree_settings(head, generation_config, tree_config)
     context_len = draft_context_length(ngram)
@@ -229,7 +229,7 @@ def _decode(model, input_ids, logits_processor, stopping_criteria, generation_co
     if graphs:  # kept with the head: later calls replay the graphs earlier ones captured
         search = cached_graph(head.cuda_graphs, (ngram, tree_config), search)
         greedy_paths = cached_graph(head.cuda_graphs, ("greedy_paths", depth), greedy_paths)
-    verifier = _Verifier(model, plan, cache, logits_processor, bool(generation_config.do_sample), greedy_paths,
+    verifier = _Verifier(model, prepared.plan, cache, logits_processor, bool(generation_config.do_sample), greedy_paths,
                          pad_token(generation_config))
     scores, raw_logits = [], []
     stopper = Stopper(input_ids, stopping_criteria, generation_config, scores if want_scores else None)
@@ -240,7 +240,8 @@ def _decode(model, input_ids, logits_processor, stopping_criteria, generation_co
     stats.setup_time = time.perf_counter() - t_start
 
     carried = _take_carried(cache, head, past)
-    batch, step, head_cache = prefill(verifier, head, input_ids, attention_mask, past, carried, context_len, stats)
+    batch, step, head_cache = prefill(verifier, head, input_ids, attention_mask, prepared.positions, past, carried,
+                                      context_len, stats)
     # per caller's row, its left padding included: the prefix logits processors and sampling see
     sequences = list(input_ids.split(1)) if verifier.needs_prefixes or want_scores or want_logits else None
     with tree_forwards(model), few_row_linears(head):
@@ -302,11 +303,11 @@ class Batch:
 
     rows: list[int]  # the caller's batch row of each sequence
     columns: torch.Tensor  # [B, S] bool: cache columns holding the sequence's tokens (not padding, not holes)
-    lengths: torch.Tensor  # [B] int64: tokens of each sequence in the cache = the root's position id
+    root_positions: torch.Tensor  # [B] int64: the position id of each sequence's root (the token after the cache)
     contexts: torch.Tensor  # [B, C] the last C tokens of each sequence, ending with the root (left-padded with -1)
 
     def select(self, keep: torch.Tensor) -> "Batch":
-        return Batch([self.rows[i] for i in keep.tolist()], self.columns[keep], self.lengths[keep],
+        return Batch([self.rows[i] for i in keep.tolist()], self.columns[keep], self.root_positions[keep],
                      self.contexts[keep])
 
 
@@ -337,7 +338,7 @@ class _Verifier:
     processors: object
     do_sample: bool
     greedy_paths: object  # `accepted_greedy_paths` with the depth bound (CUDA-graphed or not)
-    pad: int = 0  # the token that fills other rows' prefixes in the processors' batch (`row_processor`)
+    pad: Optional[int] = None  # generate()'s pad token: fills other rows' prefixes in the processors' batch
 
     def __post_init__(self) -> None:
         if self.processors is not None and not len(self.processors):
@@ -455,10 +456,11 @@ def _last_logits_only(model) -> dict:
     return {"logits_to_keep": 1} if supports is not None and supports() else {}
 
 
-def prefill(verifier: _Verifier, head: DartHead, input_ids: torch.Tensor, attention_mask: torch.Tensor, past: int,
-            carried: Optional[Carried], context_len: int, stats: DartStats) -> tuple[Batch, Step, object]:
-    """The target over the left-padded prompts [B, T] after the `past` positions already in the cache (batch size 1
-    when past > 0); each last position picks the first token, verified as a one-node tree so that logits processors
+def prefill(verifier: _Verifier, head: DartHead, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+            positions: torch.Tensor, past: int, carried: Optional[Carried], context_len: int,
+            stats: DartStats) -> tuple[Batch, Step, object]:
+    """The target over the left-padded prompts [B, T] (position ids `positions` [B, T]) after the `past` positions
+    already in the cache (batch size 1 when past > 0); each row's later tokens take the positions after its last; each last position picks the first token, verified as a one-node tree so that logits processors
     and sampling apply exactly as in every later step -> (batch, step, head cache). The step's head rows cover every
     position the head has not consumed: after `carried`'s, or from 0 (for a cache without it, the prefix's hidden
     states come from one more target forward)."""
@@ -468,7 +470,7 @@ def prefill(verifier: _Verifier, head: DartHead, input_ids: torch.Tensor, attent
     model, plan = verifier.model, verifier.plan
     padded = not bool(attention_mask.all())
     out = model(input_ids=input_ids[:, past:], attention_mask=attention_mask if padded else None,
-                position_ids=prompt_positions(attention_mask)[:, past:], past_key_values=verifier.cache,
+                position_ids=positions[:, past:], past_key_values=verifier.cache,
                 use_cache=True, output_hidden_states=list(plan.layer_ids), **_last_logits_only(model))
     logits = out.logits[:, -1:].float()  # [B, 1, V]
     roots, ancestors = root_trees(input_ids[:, -1:])
@@ -493,7 +495,7 @@ def prefill(verifier: _Verifier, head: DartHead, input_ids: torch.Tensor, attent
         head_cache = head.new_cache(b)
     tokens = torch.where(attention_mask.bool(), input_ids, -1)
     contexts = torch.cat((torch.full((b, context_len), -1, device=device), tokens, first[:, None]), dim=1)
-    batch = Batch(list(range(b)), attention_mask.bool(), attention_mask.sum(dim=1), contexts[:, -context_len:])
+    batch = Batch(list(range(b)), attention_mask.bool(), positions[:, -1] + 1, contexts[:, -context_len:])
     step = Step([[x] for x in first.tolist()], first[:, None], torch.zeros(b, 1, dtype=torch.long, device=device),
                 logits, aux_rows, head_ids, head_lengths)
     stats.prefill_time = stats.clock(device) - t0
@@ -557,7 +559,7 @@ def verify_step(verifier: _Verifier, trees: DraftTreeBatch, ancestors: torch.Ten
     past = verifier.cache.get_seq_length()
     mask = tree_attention_mask(ancestors, batch.columns, dtype)
     t1 = stats.clock(device)
-    out = tree_forward(verifier.model, trees.tokens, batch.lengths[:, None] + trees.depths, mask, verifier.cache,
+    out = tree_forward(verifier.model, trees.tokens, batch.root_positions[:, None] + trees.depths, mask, verifier.cache,
                        verifier.plan.layer_ids)
     t2 = stats.clock(device)
     logits = out.logits.float()  # [B, N, V]
@@ -580,7 +582,7 @@ def verify_step(verifier: _Verifier, trees: DraftTreeBatch, ancestors: torch.Ten
         1, paths.accept_length[:, None], paths.bonus[:, None])  # [B, k] accepted tokens, bonus, padding
     counts = paths.accept_length + 1
     batch.columns = torch.cat((batch.columns, real), dim=1)
-    batch.lengths = batch.lengths + counts
+    batch.root_positions = batch.root_positions + counts
     batch.contexts = torch.cat((batch.contexts, new_ids), dim=1).gather(
         1, counts[:, None] + torch.arange(batch.contexts.shape[1], device=device))
     aux = tapped_hidden_states(out, verifier.plan.layer_ids)
@@ -610,12 +612,24 @@ def _drop_rows(batch: Batch, step: Step, head_cache, cache, keep: list[int]) -> 
     return batch.select(index), step.select(index)
 
 
+@dataclasses.dataclass
+class Prepared:
+    """What a call's checks establish before any work."""
+
+    plan: TargetPlan
+    attention_mask: torch.Tensor  # [B, T] int64: zeros (left padding) then ones
+    positions: torch.Tensor  # [B, T] int64: the position id of each prompt token (generate()'s or the caller's)
+    cache: object  # the target's KV cache
+    past: int  # positions the cache already holds
+
+
 def _prepare(model, head: DartHead, input_ids, generation_config, model_kwargs, tokenizer, streamer,
-             want_scores: bool, processors, synced_gpus: bool) -> tuple[TargetPlan, torch.Tensor, object, int]:
-    """Every check that can fail, before any work -> (the plan, the [B, T] attention mask (left padding), the KV
-    cache, the positions it already holds)."""
-    if generation_config.num_beams != 1:
-        raise DartInputError(f"DART does not combine with beam search (num_beams={generation_config.num_beams})")
+             want_scores: bool, processors, synced_gpus: bool) -> Prepared:
+    """Every check that can fail, before any work."""
+    mode = generation_config.get_generation_mode()
+    if mode.value not in ("greedy_search", "sample"):
+        raise DartInputError(f"DART decodes by greedy search or sampling; this call asks for {mode.value} "
+                             f"({_mode_arguments(generation_config, mode.value)})")
     if generation_config.num_return_sequences != 1:
         raise DartInputError("DART returns one sequence per prompt (num_return_sequences must be 1)")
     if synced_gpus:
@@ -644,10 +658,19 @@ def _prepare(model, head: DartHead, input_ids, generation_config, model_kwargs, 
                              "runs over draft trees, not one token per step)")
     if not generation_config.use_cache:
         raise DartInputError("DART tree decoding needs use_cache=True")
+    if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+        raise DartInputError(f"input_ids must hold integer token ids, got {input_ids.dtype}")
     attention_mask = model_kwargs.get("attention_mask")
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     _check_left_padding(attention_mask, input_ids)
+    positions = model_kwargs.get("position_ids")
+    if positions is None:
+        positions = prompt_positions(attention_mask)
+    elif positions.dim() != 2 or positions.shape[1] != input_ids.shape[1] or positions.shape[0] not in (1, batch_size):
+        raise DartInputError(f"position_ids shape {list(positions.shape)} does not match input_ids "
+                             f"{list(input_ids.shape)} (generate() makes position ids from the attention_mask: check "
+                             "that it covers every token of input_ids)")
     vocab = int(model.get_input_embeddings().weight.shape[0])
     bad = id_outside_vocab(input_ids, vocab)
     if bad is not None:
@@ -664,16 +687,21 @@ def _prepare(model, head: DartHead, input_ids, generation_config, model_kwargs, 
     if past and past >= input_ids.shape[1]:
         raise DartInputError(f"the cache holds {past} positions but input_ids only {input_ids.shape[1]}: pass the "
                              "whole sequence, the cached prefix included, and at least one new token")
-    return plan_for(model, head, tokenizer), attention_mask.long(), cache, past
+    return Prepared(plan_for(model, head, tokenizer), attention_mask.long(), positions.expand(batch_size, -1).long(),
+                    cache, past)
 
 
-def pad_token(generation_config) -> int:
-    """The token that pads a batch: the config's pad, else its (first) EOS, else 0."""
-    for value in (generation_config.pad_token_id, generation_config.eos_token_id):
-        value = torch.as_tensor(value).flatten().tolist() if value is not None else []
-        if value:
-            return int(value[0])
-    return 0
+MODE_ARGUMENTS = {"beam_search": "num_beams", "beam_sample": "num_beams", "group_beam_search": "num_beam_groups",
+                  "constrained_beam_search": "constraints / force_words_ids", "contrastive_search": "penalty_alpha, top_k",
+                  "dola_generation": "dola_layers", "assisted_generation": "assistant_early_exit / use_mtp"}
+
+
+def _mode_arguments(generation_config, mode: str) -> str:
+    """The generate() arguments that chose decoding `mode`, with their values where they are numbers."""
+    names = MODE_ARGUMENTS.get(mode, "")
+    if names in ("num_beams", "num_beam_groups"):
+        return f"{names}={getattr(generation_config, names)}"
+    return names
 
 
 def _check_left_padding(attention_mask: torch.Tensor, input_ids: torch.Tensor) -> None:

@@ -1,10 +1,14 @@
 """generate()'s logits processors called as plain generate() calls them, one verified position at a time.
 
-Plain `generate()` calls its processor list once per step with the whole batch: `input_ids` [B, T] (every row's
-prefix, left padding included) and `scores` [B, V], and reads row i of the result for row i. DART verifies each row
-at its own pace, one tree node at a time, so it calls the list once per visited node with the same layout: the row
-being verified in its own slot i with that node's exact prefix, every other row its own tokens cut (or left-padded)
-to the same length with zero scores, and reads slot i. A processor that treats rows differently (per-row rules,
+The rule for every callable plain `generate()` calls once per step with the whole batch (logits processors and
+stopping criteria): it gets the caller's batch layout, row i holding row i's exact prefix, never one row alone.
+Stopping criteria get plain's very calls (`dart_hf.stopping.Stopper` makes them in lockstep once every row has
+reached the step). Logits processors decide the tokens themselves, so they are called before the other rows have
+reached the step: plain calls its processor list with `input_ids` [B, T] (every row's prefix, left padding included)
+and `scores` [B, V] and reads row i of the result for row i; DART verifies each row at its own pace, one tree node at
+a time, so it calls the list once per visited node with the same layout: the row being verified in its own slot i
+with that node's exact prefix, every other row its own tokens cut (or left-padded with generate()'s pad token) to
+the same length with zero scores, and reads slot i. A processor that treats rows differently (per-row rules,
 `prefix_allowed_tokens_fn`'s batch id, a prompt length per row) therefore applies row i's rule to row i, and one
 that checks the batch size sees generate()'s.
 
@@ -40,11 +44,12 @@ def _cut(tokens: torch.Tensor, length: int, pad: int) -> torch.Tensor:
     return torch.cat((tokens.new_full((length - tokens.shape[0],), pad), tokens))
 
 
-def row_processor(processors, sequences: list[torch.Tensor], row: int, pad: int) -> RowProcessor:
+def row_processor(processors, sequences: list[torch.Tensor], row: int, pad: Optional[int]) -> RowProcessor:
     """Caller's row `row`'s view of `processors` (module docstring): `sequences` holds every row's tokens so far
-    ([1, L_r] each, left padding included); `pad` fills rows shorter than the prefix asked about."""
+    ([1, L_r] each, left padding included); `pad` (0 when None) fills rows shorter than the prefix asked about."""
     if len(sequences) == 1:
         return processors
+    pad = 0 if pad is None else pad
 
     def call(ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         length = ids.shape[1]

@@ -1,4 +1,5 @@
-"""generate()'s stopping decisions for DART rows that decode ahead of them, each at its own pace.
+"""generate()'s stopping decisions for DART rows that decode ahead of them, each at its own pace (the rule for
+whole-batch callables: `dart_hf.processors`).
 
 Plain `generate()` (transformers' `_sample`) does, at each step t = 1, 2, ...: append token t of every row (a row that
 already finished gets `pad_token_id` instead when an EOS criterion is present, otherwise its own next token), call

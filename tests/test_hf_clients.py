@@ -92,6 +92,84 @@ def test_what_dart_does_not_do_runs_plain_with_one_warning(kwargs, reason):
         model.generate(PROMPT, max_new_tokens=8, dart_head=head, **kwargs)
 
 
+@pytest.mark.parametrize("kwargs,mode", [
+    (dict(penalty_alpha=0.6, top_k=4), "contrastive_search"),
+    (dict(dola_layers="high"), "dola_generation"),
+    (dict(force_words_ids=[[3, 4]], num_beams=2), "constrained_beam_search"),
+    (dict(num_beams=2, num_beam_groups=2, diversity_penalty=0.5), "group_beam_search"),
+])
+def test_modes_transformers_moved_to_the_hub_behave_as_plain(kwargs, mode):
+    """They were decoded as greedy search: a custom_generate call skips transformers' own check of them."""
+    model, head, _ = attached()
+    with pytest.raises(ValueError, match="trust_remote_code") as plain:
+        model.generate(PROMPT, max_new_tokens=8, dart_head=False, **kwargs)
+    with pytest.warns(dart_hf.DartFallbackWarning, match=mode), pytest.raises(ValueError) as got:
+        model.generate(PROMPT, max_new_tokens=8, **kwargs)
+    assert str(got.value) == str(plain.value)
+    with pytest.raises(dart_hf.NotApplicable, match=f"asks for {mode}"):
+        model.generate(PROMPT, max_new_tokens=8, dart_head=head, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs,reason", [
+    (dict(synced_gpus=True), "synced_gpus"),
+    (dict(attention_mask=torch.ones(1, PROMPT.shape[1] - 1, dtype=torch.long)), "position_ids shape"),
+])
+def test_what_plain_refuses_dart_refuses(kwargs, reason):
+    """generate() drops synced_gpus and an all-ones mask before a custom_generate callable sees them: DART decoded
+    both calls, which plain refuses."""
+    model, head, _ = attached()
+    with pytest.raises((ValueError, RuntimeError)) as plain:
+        model.generate(PROMPT, max_new_tokens=8, dart_head=False, **kwargs)
+    with pytest.warns(dart_hf.DartFallbackWarning, match=reason), pytest.raises(type(plain.value)):
+        model.generate(PROMPT, max_new_tokens=8, **kwargs)
+    with pytest.raises(dart_hf.NotApplicable, match=reason):
+        model.generate(PROMPT, max_new_tokens=8, dart_head=head, **kwargs)
+
+
+def test_caller_position_ids_are_used_as_plain_uses_them():
+    """An absolute-position model (GPT-2), where position ids change the output; DART used its own."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=96, n_embd=32, n_layer=4, n_head=4, n_positions=256)).eval()
+    model.generation_config.eos_token_id = model.generation_config.pad_token_id = None
+    positions = torch.tensor([[0, 10, 20, 30, 40, 50, 60]])
+    kwargs = dict(max_new_tokens=12, do_sample=False)
+    default = model.generate(PROMPT, **kwargs)
+    plain = model.generate(PROMPT, position_ids=positions, **kwargs)
+    assert not torch.equal(plain, default)  # the control: the positions matter
+    head = oracle_head(model, plain[0], wrong_every=3)
+    dart_hf.enable(model)
+    assert torch.equal(model.generate(PROMPT, position_ids=positions, dart_head=head, **kwargs), plain)
+    assert model.dart_stats.forwards < 12
+
+
+def test_int32_input_ids_give_int64_output_as_plain():
+    model, head, plain = attached()
+    out = model.generate(PROMPT.int(), max_new_tokens=16, do_sample=False)
+    assert out.dtype == torch.int64 and torch.equal(out, plain) and model.dart_stats is not None
+
+
+def test_token_healing_gets_the_calls_tokenizer():
+    tokenizer = char_tokenizer()
+    tokenizer.bos_token = "<pad>"  # heal_tokens needs one
+    model, head, _ = attached()
+    ids = tokenizer(["The cat sa"], return_tensors="pt").input_ids
+    kwargs = dict(max_new_tokens=6, do_sample=False, token_healing=True, tokenizer=tokenizer)
+    plain = model.generate(ids, dart_head=False, **kwargs)
+    assert torch.equal(model.generate(ids, dart_head=head, **kwargs), plain)
+    assert torch.equal(model.generate(ids, **kwargs), plain)
+
+
+@pytest.mark.parametrize("name,value", [("dart_ngram", False), ("dart_tree_config", {"remain_total": 5}),
+                                        ("dart_tree_config", 8), ("dart_sync_timing", 1), ("dart_cuda_graph", "yes")])
+def test_an_odd_dart_argument_is_a_type_error_naming_it(name, value):
+    model, head, _ = attached()
+    for extra in ({}, {"dart_head": head}):
+        with pytest.raises(TypeError, match=name):
+            model.generate(PROMPT, max_new_tokens=4, **{name: value}, **extra)
+
+
 def test_another_assistant_runs_plain_assisted_generation():
     model, _, plain = attached()
     assistant = tiny_target()
