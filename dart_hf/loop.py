@@ -23,8 +23,10 @@ from dart_core.sync import synchronize
 from dart_core.tree import score_ranks
 from dart_hf.processors import row_processor, stateful_processor
 from dart_hf.stopping import Stopper, pad_token
-from dart_hf.target import (TargetPlan, check_attention, check_cache, keep_accepted_path, plan_for, prompt_positions,
-                            tapped_hidden_states, tree_attention_mask, tree_forward, tree_forwards, tree_settings)
+from dart_hf.target import (AttentionLayout, TargetPlan, attention_layout, check_architecture, check_attention,
+                            check_cache, crop_cache, keep_accepted_path, plan_for, prompt_positions,
+                            tapped_hidden_states, tree_attention_mask, tree_forward, tree_forwards, tree_settings,
+                            whole_sliding_layers)
 
 
 def tau_of(accepted: int, steps: int) -> float:
@@ -212,12 +214,12 @@ def _decode(model, input_ids, logits_processor, stopping_criteria, generation_co
     try:
         prepared = _prepare(model, head, input_ids, generation_config, model_kwargs, tokenizer, streamer,
                             want_scores or want_logits, logits_processor, synced_gpus)
+        tree_config = tree_settings(head, generation_config, tree_config)
     except DartInputError as err:
         raise NotApplicable(str(err)) from None
     input_ids = input_ids.long()  # generate()'s output is int64 whatever integer type the prompt had
     attention_mask, cache, past = prepared.attention_mask, prepared.cache, prepared.past
     ngram = ngram if ngram is not None else head.ngram
-    tree_config = tree_settings(head, generation_config, tree_config)
     context_len = draft_context_length(ngram)
     depth = tree_config.draft_levels(head.draft_length + 1)  # deepest draft node
     search = TreeSearch(head, ngram, tree_config)
@@ -229,8 +231,8 @@ def _decode(model, input_ids, logits_processor, stopping_criteria, generation_co
     if graphs:  # kept with the head: later calls replay the graphs earlier ones captured
         search = cached_graph(head.cuda_graphs, (ngram, tree_config), search)
         greedy_paths = cached_graph(head.cuda_graphs, ("greedy_paths", depth), greedy_paths)
-    verifier = _Verifier(model, prepared.plan, cache, logits_processor, bool(generation_config.do_sample), greedy_paths,
-                         pad_token(generation_config))
+    verifier = _Verifier(model, prepared.plan, prepared.layout, cache, logits_processor,
+                         bool(generation_config.do_sample), greedy_paths, pad_token(generation_config))
     scores, raw_logits = [], []
     stopper = Stopper(input_ids, stopping_criteria, generation_config, scores if want_scores else None)
     stats = DartStats(prompt_tokens=int(attention_mask.sum()), sync_timing=sync_timing)
@@ -239,53 +241,54 @@ def _decode(model, input_ids, logits_processor, stopping_criteria, generation_co
         streamer.put(input_ids.cpu())
     stats.setup_time = time.perf_counter() - t_start
 
-    carried = _take_carried(cache, head, past)
-    batch, step, head_cache = prefill(verifier, head, input_ids, attention_mask, prepared.positions, past, carried,
-                                      context_len, stats)
-    # per caller's row, its left padding included: the prefix logits processors and sampling see
-    sequences = list(input_ids.split(1)) if verifier.needs_prefixes or want_scores or want_logits else None
-    with tree_forwards(model), few_row_linears(head):
-        while True:
-            for i, row in enumerate(batch.rows):
-                tokens = step.tokens[i]
-                if want_scores or want_logits:
-                    _record_scores(scores, raw_logits, sequences[row], step.new_ids[i, : len(tokens)],
-                                   step.logits[i, step.nodes[i, : len(tokens)]], verifier.processors, want_scores,
-                                   want_logits)
-                if sequences is not None:
-                    sequences[row] = torch.cat((sequences[row], step.new_ids[i : i + 1, : len(tokens)]), dim=1)
-                stopper.add(row, tokens)
-            decided = stopper.decide()
-            if streamer is not None and decided[0]:
-                streamer.put(torch.tensor(decided[0]))  # from the host: no device read
-            if stopper.done:
-                break
-            keep = [i for i, row in enumerate(batch.rows) if stopper.producing(row)]
-            if len(keep) < len(batch.rows):
-                batch, step = _drop_rows(batch, step, head_cache, cache, keep)
-            if all(stopper.remaining(row) == 1 for row in batch.rows):  # one token left: the root alone decides it
-                trees, ancestors = root_trees(batch.contexts[:, -1:])
-            else:
-                trees, ancestors = draft(head, search, step, head_cache, batch, tree_config, graphs, stats)
-                step = dataclasses.replace(step, aux_rows=step.aux_rows[:, :0], head_ids=step.head_ids[:, :0],
-                                           head_lengths=torch.zeros_like(step.head_lengths))
-            step = verify_step(verifier, trees, ancestors, batch, sequences, step, stats)
-
-    if streamer is not None:
-        streamer.end()
-    output = stopper.output()
-    stats.new_tokens = stopper.new_tokens
-    if want_scores:
-        del scores[stopper.steps:]
-    if want_logits:
-        del raw_logits[stopper.steps:]
     returned_cache = None
-    if input_ids.shape[0] == 1 and generation_config.use_cache:
-        excess = cache.get_seq_length() - (output.shape[1] - 1)
-        if excess > 0:  # what plain generate() leaves: every token but the last
-            cache.crop(-excess)
-        _carry(cache, head, head_cache, step, output.shape[1] - 1, attention_mask)
-        returned_cache = cache
+    with whole_sliding_layers(cache):  # sliding-window layers are compacted as full ones, then trimmed
+        carried = _take_carried(cache, head, past)
+        batch, step, head_cache = prefill(verifier, head, input_ids, attention_mask, prepared.positions, past, carried,
+                                          context_len, stats)
+        # per caller's row, its left padding included: the prefix logits processors and sampling see
+        sequences = list(input_ids.split(1)) if verifier.needs_prefixes or want_scores or want_logits else None
+        with tree_forwards(model), few_row_linears(head):
+            while True:
+                for i, row in enumerate(batch.rows):
+                    tokens = step.tokens[i]
+                    if want_scores or want_logits:
+                        _record_scores(scores, raw_logits, sequences[row], step.new_ids[i, : len(tokens)],
+                                       step.logits[i, step.nodes[i, : len(tokens)]], verifier.processors, want_scores,
+                                       want_logits)
+                    if sequences is not None:
+                        sequences[row] = torch.cat((sequences[row], step.new_ids[i : i + 1, : len(tokens)]), dim=1)
+                    stopper.add(row, tokens)
+                decided = stopper.decide()
+                if streamer is not None and decided[0]:
+                    streamer.put(torch.tensor(decided[0]))  # from the host: no device read
+                if stopper.done:
+                    break
+                keep = [i for i, row in enumerate(batch.rows) if stopper.producing(row)]
+                if len(keep) < len(batch.rows):
+                    batch, step = _drop_rows(batch, step, head_cache, cache, keep)
+                if all(stopper.remaining(row) == 1 for row in batch.rows):  # one token left: the root alone decides it
+                    trees, ancestors = root_trees(batch.contexts[:, -1:])
+                else:
+                    trees, ancestors = draft(head, search, step, head_cache, batch, tree_config, graphs, stats)
+                    step = dataclasses.replace(step, aux_rows=step.aux_rows[:, :0], head_ids=step.head_ids[:, :0],
+                                               head_lengths=torch.zeros_like(step.head_lengths))
+                step = verify_step(verifier, trees, ancestors, batch, sequences, step, stats)
+
+        if streamer is not None:
+            streamer.end()
+        output = stopper.output()
+        stats.new_tokens = stopper.new_tokens
+        if want_scores:
+            del scores[stopper.steps:]
+        if want_logits:
+            del raw_logits[stopper.steps:]
+        if input_ids.shape[0] == 1 and generation_config.use_cache:
+            excess = cache.get_seq_length() - (output.shape[1] - 1)
+            if excess > 0:  # what plain generate() leaves: every token but the last
+                crop_cache(cache, excess)
+            _carry(cache, head, head_cache, step, output.shape[1] - 1, attention_mask)
+            returned_cache = cache
     stats.total_time = time.perf_counter() - t_start
     if generation_config.return_dict_in_generate:
         from dart_hf.outputs import DartGenerateOutput
@@ -334,6 +337,7 @@ class _Verifier:
 
     model: object
     plan: TargetPlan
+    layout: AttentionLayout
     cache: object
     processors: object
     do_sample: bool
@@ -557,7 +561,8 @@ def verify_step(verifier: _Verifier, trees: DraftTreeBatch, ancestors: torch.Ten
     t0 = stats.clock(device)
     dtype = next(verifier.model.parameters()).dtype
     past = verifier.cache.get_seq_length()
-    mask = tree_attention_mask(ancestors, batch.columns, dtype)
+    mask = tree_attention_mask(ancestors, batch.columns, dtype, trees.depths, verifier.layout,
+                               verifier.layout.dropped(verifier.cache, past))
     t1 = stats.clock(device)
     out = tree_forward(verifier.model, trees.tokens, batch.root_positions[:, None] + trees.depths, mask, verifier.cache,
                        verifier.plan.layer_ids)
@@ -617,6 +622,7 @@ class Prepared:
     """What a call's checks establish before any work."""
 
     plan: TargetPlan
+    layout: AttentionLayout
     attention_mask: torch.Tensor  # [B, T] int64: zeros (left padding) then ones
     positions: torch.Tensor  # [B, T] int64: the position id of each prompt token (generate()'s or the caller's)
     cache: object  # the target's KV cache
@@ -630,6 +636,9 @@ def _prepare(model, head: DartHead, input_ids, generation_config, model_kwargs, 
     if mode.value not in ("greedy_search", "sample"):
         raise DartInputError(f"DART decodes by greedy search or sampling; this call asks for {mode.value} "
                              f"({_mode_arguments(generation_config, mode.value)})")
+    check_architecture(model)
+    check_attention(model)
+    layout = attention_layout(model)
     if generation_config.num_return_sequences != 1:
         raise DartInputError("DART returns one sequence per prompt (num_return_sequences must be 1)")
     if synced_gpus:
@@ -641,6 +650,10 @@ def _prepare(model, head: DartHead, input_ids, generation_config, model_kwargs, 
     if head.max_batch_size is not None and batch_size > head.max_batch_size:
         raise DartInputError(f"{type(head).__name__} drafts at most {head.max_batch_size} sequence(s) at a time; got "
                              f"batch size {batch_size}")
+    pad = pad_token(generation_config)
+    if batch_size > 1 and pad is not None and pad < 0:
+        raise DartInputError(f"pad_token_id {pad} is not a token id: rows that finish early are padded with it, and "
+                             "the target embeds it")
     if batch_size > 1 and streamer is not None:
         raise DartInputError("streamers take one sequence (batch size 1), as in transformers; got batch size "
                              f"{batch_size}")
@@ -658,8 +671,8 @@ def _prepare(model, head: DartHead, input_ids, generation_config, model_kwargs, 
                              "runs over draft trees, not one token per step)")
     if not generation_config.use_cache:
         raise DartInputError("DART tree decoding needs use_cache=True")
-    if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
-        raise DartInputError(f"input_ids must hold integer token ids, got {input_ids.dtype}")
+    if input_ids.dtype not in (torch.int64, torch.int32):  # what an embedding takes
+        raise DartInputError(f"input_ids must be int64 (or int32) token ids, got {input_ids.dtype}")
     attention_mask = model_kwargs.get("attention_mask")
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
@@ -675,7 +688,6 @@ def _prepare(model, head: DartHead, input_ids, generation_config, model_kwargs, 
     bad = id_outside_vocab(input_ids, vocab)
     if bad is not None:
         raise DartInputError(f"input_ids hold token id {bad}, outside the target vocabulary 0..{vocab - 1}")
-    check_attention(model)
     cache = model_kwargs.get("past_key_values")
     if cache is None:
         raise DartInputError("generate() prepared no cache; DART needs a DynamicCache")
@@ -687,7 +699,7 @@ def _prepare(model, head: DartHead, input_ids, generation_config, model_kwargs, 
     if past and past >= input_ids.shape[1]:
         raise DartInputError(f"the cache holds {past} positions but input_ids only {input_ids.shape[1]}: pass the "
                              "whole sequence, the cached prefix included, and at least one new token")
-    return Prepared(plan_for(model, head, tokenizer), attention_mask.long(), positions.expand(batch_size, -1).long(),
+    return Prepared(plan_for(model, head, tokenizer), layout, attention_mask.long(), positions.expand(batch_size, -1).long(),
                     cache, past)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import threading
 from typing import Iterator, Optional
 
@@ -37,7 +38,11 @@ def plan_for(model, head: DartHead, tokenizer=None) -> TargetPlan:
     if getattr(cfg, "is_encoder_decoder", False) or getattr(model.config, "is_encoder_decoder", False):
         raise DartInputError("DART needs a decoder-only causal LM; got an encoder-decoder model")
     embedding = model.get_input_embeddings()
-    vocab = int(embedding.weight.shape[0])
+    vocab, width = (int(n) for n in embedding.weight.shape)
+    if width != int(cfg.hidden_size):
+        raise DartInputError(f"{type(model).__name__} embeds tokens in {width} dimensions and its hidden states have "
+                             f"{cfg.hidden_size}: a DART head shares the target's embedding table, which needs the two "
+                             "equal")
     shape = TargetShape(int(cfg.hidden_size), vocab, int(cfg.num_hidden_layers), f"the target {type(model).__name__}")
     layer_ids = check_fits(head.config, head.d2t, shape)
     if tokenizer is not None and len(tokenizer) > vocab:
@@ -45,6 +50,30 @@ def plan_for(model, head: DartHead, tokenizer=None) -> TargetPlan:
     if head.get_input_embeddings() is not embedding:
         head.set_input_embeddings(embedding)
     return TargetPlan(layer_ids=tuple(layer_ids))
+
+
+# model types whose attention adds an ALiBi position bias built from a 2D padding mask, which a tree mask replaces
+ALIBI_MODEL_TYPES = ("bloom", "mpt")
+
+
+def check_architecture(model) -> None:
+    """What a tree forward needs of the architecture itself: a KV cache it fills and position information a 4D
+    mask does not replace. Raises DartInputError naming what is missing."""
+    import inspect
+
+    cfg = model.config.get_text_config(decoder=True)
+    name = type(model).__name__
+    if cfg.model_type in ALIBI_MODEL_TYPES or getattr(cfg, "alibi", False) is True:
+        raise DartInputError(f"{name} adds an ALiBi position bias built from a 2D padding mask; a tree forward "
+                             "passes a 4D tree mask instead")
+    takes = inspect.signature(model.forward).parameters
+    if "past_key_values" not in takes:
+        raise DartInputError(f"{name} computes without a KV cache (its forward takes no past_key_values); DART "
+                             "verifies a tree against the cached prefix")
+    missing = [arg for arg in ("attention_mask", "position_ids") if arg not in takes]
+    if missing:
+        raise DartInputError(f"{name}'s forward takes no {' / '.join(missing)}; a tree forward gives each node its "
+                             "own position and the ancestors it sees")
 
 
 def check_attention(model) -> None:
@@ -57,15 +86,89 @@ def check_attention(model) -> None:
                              f"(or call model.set_attn_implementation('sdpa')).")
 
 
-def check_cache(cache) -> None:
-    """Tree decoding compacts the KV cache in place; only full-attention DynamicCache layers support that."""
-    from transformers.cache_utils import DynamicCache, DynamicLayer
+# the attention layer types (transformers' `layer_types`) whose masks DART builds for a tree
+TREE_LAYER_TYPES = ("full_attention", "sliding_attention")
 
-    if not isinstance(cache, DynamicCache) or not all(type(layer) is DynamicLayer for layer in cache.layers):
-        kinds = sorted({type(layer).__name__ for layer in getattr(cache, "layers", [])}) or [type(cache).__name__]
-        raise DartInputError(f"DART tree decoding supports a DynamicCache of full-attention layers only; got "
-                             f"{type(cache).__name__} with {', '.join(kinds)}. Leave cache_implementation unset "
-                             f"(sliding-window, static, quantized and linear-attention caches are not supported).")
+
+@dataclasses.dataclass(frozen=True)
+class AttentionLayout:
+    """The target's attention layers as tree masks must serve them."""
+
+    window: Optional[int]  # W of the sliding-window layers (a query at index i sees keys at indices > i - W), or None
+    by_type: bool  # both full and sliding layers: the model takes its masks as a dict by layer type
+
+    def dropped(self, cache, columns: int) -> int:
+        """Of the `columns` cache columns full layers hold, how many the sliding layers have already let go."""
+        for layer in cache.layers:
+            if getattr(layer, "is_sliding", False) and layer.is_initialized:
+                return columns - layer.keys.shape[-2]
+        return 0
+
+
+def attention_layout(model) -> AttentionLayout:
+    """The layout of `model`'s attention layers, from its config as transformers reads it for its caches. Raises
+    DartInputError naming the layer types a tree mask cannot serve (chunked, linear or state-space layers, ...)."""
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    types, kwargs = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
+    other = sorted(set(types) - set(TREE_LAYER_TYPES))
+    if other:
+        raise DartInputError(f"DART tree decoding masks full-attention and sliding-window layers only; "
+                             f"{type(model).__name__} has {', '.join(other)} layers")
+    windows = sorted({kw["sliding_window"] for kind, kw in zip(types, kwargs) if kind == "sliding_attention"})
+    if len(windows) > 1:
+        raise DartInputError(f"DART tree decoding needs one sliding window per model; {type(model).__name__} has "
+                             f"{windows}")
+    return AttentionLayout(windows[0] if windows else None, len(set(types)) > 1)
+
+
+def check_cache(cache) -> None:
+    """Tree decoding compacts the KV cache in place: DynamicCache layers of full or sliding-window attention."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+
+    kinds = (DynamicLayer, DynamicSlidingWindowLayer)
+    if not isinstance(cache, DynamicCache) or not all(type(layer) in kinds for layer in cache.layers):
+        found = sorted({type(layer).__name__ for layer in getattr(cache, "layers", [])}) or [type(cache).__name__]
+        raise DartInputError(f"DART tree decoding supports a DynamicCache of full-attention and sliding-window "
+                             f"layers only; got {type(cache).__name__} with {', '.join(found)}. Leave "
+                             f"cache_implementation unset (static, offloaded, quantized and linear-attention caches "
+                             f"are not supported).")
+
+
+@contextlib.contextmanager
+def whole_sliding_layers(cache) -> Iterator[None]:
+    """Within the block the cache's sliding-window layers keep every position they receive, as full layers do (tree
+    blocks are compacted after the forward); on leaving, each keeps the last W-1, as plain decoding leaves it."""
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    sliding = [layer for layer in cache.layers if isinstance(layer, DynamicSlidingWindowLayer)]
+    for layer in sliding:
+        layer.update = functools.partial(_update_keeping_all, layer)
+    try:
+        yield
+    finally:
+        for layer in sliding:
+            del layer.update
+            if layer.is_initialized:
+                layer.keys = layer.keys[..., -layer.sliding_window + 1 :, :]
+                layer.values = layer.values[..., -layer.sliding_window + 1 :, :]
+
+
+def _update_keeping_all(layer, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+    """A sliding-window layer's `update` as a full layer's: keep everything, return everything."""
+    from transformers.cache_utils import DynamicLayer
+
+    layer.cumulative_length += key_states.shape[-2]
+    return DynamicLayer.update(layer, key_states, value_states)
+
+
+def crop_cache(cache, tokens: int) -> None:
+    """Drop the last `tokens` positions of every layer (inside `whole_sliding_layers` for sliding layers)."""
+    for layer in cache.layers:
+        if layer.is_initialized and tokens:
+            layer.keys, layer.values = layer.keys[..., :-tokens, :], layer.values[..., :-tokens, :]
+            if hasattr(layer, "cumulative_length"):
+                layer.cumulative_length -= tokens
 
 
 def tapped_hidden_states(outputs, layer_ids: tuple[int, ...]) -> torch.Tensor:
@@ -73,12 +176,27 @@ def tapped_hidden_states(outputs, layer_ids: tuple[int, ...]) -> torch.Tensor:
     return torch.cat([outputs.hidden_states[i] for i in layer_ids], dim=-1)
 
 
-def tree_attention_mask(ancestors: torch.Tensor, columns: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def tree_attention_mask(ancestors: torch.Tensor, columns: torch.Tensor, dtype: torch.dtype,
+                        depths: Optional[torch.Tensor] = None, layout: Optional[AttentionLayout] = None,
+                        dropped: int = 0):
     """Additive mask [B, 1, N, S+N]: node i of row b sees the cache columns with columns[b] True (not padding, not a
-    hole left by compaction) and its own ancestors (and itself). ancestors [B, N, N] bool, columns [B, S] bool."""
+    hole left by compaction) and its own ancestors (and itself). ancestors [B, N, N] bool, columns [B, S] bool.
+
+    With a sliding-window `layout` (and the nodes' `depths` [B, N]), sliding layers see only what plain decoding's
+    window shows: tokens fewer than W before the node in the row's own sequence, over the columns they still hold (all
+    but the first `dropped`) -> that mask [B, 1, N, S-dropped+N], or a dict of both masks by layer type."""
     n = ancestors.shape[1]
     see = torch.cat((columns[:, None, :].expand(-1, n, -1), ancestors), dim=2)
-    return additive_mask(see, dtype)
+    if layout is None or layout.window is None:
+        return additive_mask(see, dtype)
+    w = layout.window
+    index = columns.long().cumsum(dim=1) - 1  # [B, S] each real column's index in its row's sequence
+    nodes = columns.sum(dim=1, keepdim=True) + depths  # [B, N] each node's index in that sequence
+    near = torch.cat((index[:, None, :] > nodes[:, :, None] - w, depths[:, None, :] > depths[:, :, None] - w), dim=2)
+    sliding = additive_mask((see & near)[..., dropped:], dtype)
+    if not layout.by_type:
+        return sliding
+    return {"full_attention": additive_mask(see, dtype), "sliding_attention": sliding}
 
 
 def prompt_positions(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -201,20 +319,23 @@ def grouped_attention() -> Iterator[None]:
 def keep_accepted_path(cache, past_len: int, paths: torch.Tensor, at_front: bool = False) -> None:
     """Drop the rejected tree nodes from every layer: keep the past and, per row b, the nodes paths[b] [B, k]
     (tree-block indices) moved to the front of its block; the cache ends at past_len + k. `at_front`: every row's
-    path is already 0, 1, ..., a (nothing to move, only the cut)."""
+    path is already 0, 1, ..., a (nothing to move, only the cut). A sliding-window layer (inside
+    `whole_sliding_layers`) that let go of its first positions before the block holds the same block at its end."""
     end = past_len + paths.shape[1]
-    if at_front:
-        for layer in cache.layers:
-            layer.keys, layer.values = layer.keys[..., :end, :], layer.values[..., :end, :]
-        return
-    index = None
     for layer in cache.layers:
-        if index is None or index.shape[1] != layer.keys.shape[1] or index.shape[3] != layer.keys.shape[3]:
-            index = (past_len + paths)[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
-        # accepted rows move to the front of the block in place; the slice is a view (the next update copies anyway)
-        layer.keys[..., past_len:end, :] = layer.keys.gather(2, index)
-        layer.values[..., past_len:end, :] = layer.values.gather(2, index)
-        layer.keys, layer.values = layer.keys[..., :end, :], layer.values[..., :end, :]
+        if not layer.is_initialized:  # a layer the forwards leave empty (cross-attention without its inputs)
+            continue
+        dropped = 0
+        if hasattr(layer, "cumulative_length"):  # a sliding-window layer
+            dropped = layer.cumulative_length - layer.keys.shape[-2]
+            layer.cumulative_length = end
+        start, stop = past_len - dropped, end - dropped
+        if not at_front:
+            index = (start + paths)[:, None, :, None]  # [B, 1, k, 1]
+            for states in (layer.keys, layer.values):  # keys and values may differ in width (latent attention)
+                # accepted rows move to the front of the block in place; the slice is a view (the next update copies)
+                states[..., start:stop, :] = states.gather(2, index.expand(-1, states.shape[1], -1, states.shape[3]))
+        layer.keys, layer.values = layer.keys[..., :stop, :], layer.values[..., :stop, :]
 
 
 def tree_settings(head: DartHead, generation_config, override: Optional[TreeConfig] = None) -> TreeConfig:
@@ -227,10 +348,10 @@ def tree_settings(head: DartHead, generation_config, override: Optional[TreeConf
 
 
 def first_eos(generation_config) -> Optional[int]:
-    """The (first) EOS id of a generation config, for the tree search's EOS ordering."""
+    """The first EOS id of a generation config that is a token (>= 0; a negative id never ends a sequence), for the
+    tree search's EOS ordering."""
     eos = generation_config.eos_token_id
     if isinstance(eos, torch.Tensor):
         eos = eos.flatten().tolist()
-    if isinstance(eos, (list, tuple)):
-        return int(eos[0]) if eos else None
-    return None if eos is None else int(eos)
+    ids = eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos]
+    return next((int(i) for i in ids if int(i) >= 0), None)

@@ -53,8 +53,8 @@ def tiny_target(arch: str = "llama", attn: str = "sdpa", vocab: int = 96, layers
 
 
 def random_head(target, draft_length: int = 4, draft_vocab: int | None = None, seed: int = 1) -> DartHead:
-    cfg = target.config
-    vocab = cfg.vocab_size
+    cfg = target.config.get_text_config(decoder=True)
+    vocab = int(target.get_input_embeddings().weight.shape[0])
     draft_vocab = draft_vocab or vocab
     torch.manual_seed(seed)
     head = DartHead(DartConfig(hidden_size=cfg.hidden_size, intermediate_size=2 * cfg.hidden_size,
@@ -72,3 +72,80 @@ def random_head(target, draft_length: int = 4, draft_vocab: int | None = None, s
 def oracle_head(target, reference: torch.Tensor, draft_length: int = 4, wrong_every: int = 0) -> ReplayHead:
     """A head that drafts the target's own continuation `reference` (wrong at every `wrong_every`-th position)."""
     return ReplayHead.from_head(random_head(target, draft_length=draft_length), reference, wrong_every)
+
+
+# the sizes `tiny_causal_lm` gives every config attribute of these names that the architecture has
+TINY_SIZES = dict(vocab_size=96, decoder_vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, max_position_embeddings=256, moe_intermediate_size=32,
+                  num_experts=4, num_local_experts=4, num_experts_per_tok=2, n_routed_experts=4,
+                  shared_expert_intermediate_size=32, n_shared_experts=1, kv_lora_rank=16, q_lora_rank=16,
+                  qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, ffn_dim=64, d_model=32, decoder_layers=4,
+                  decoder_attention_heads=4, decoder_ffn_dim=64, encoder_layers=4, encoder_attention_heads=4,
+                  encoder_ffn_dim=64, n_positions=256, n_ctx=256, first_k_dense_replace=1, word_embed_proj_dim=32, rotary_dim=8)
+# sizes tied to others in some architectures (multi-head latent attention, grouped heads): left at their defaults by
+# the later attempts of `tiny_causal_lm`
+TIED_SIZES = ((), ("head_dim", "num_key_value_heads"),
+              ("head_dim", "num_key_value_heads", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"))
+
+
+def _shrink(config, keep: tuple[str, ...]) -> None:
+    settings = {**TINY_SIZES, **dict.fromkeys(("eos_token_id", "bos_token_id", "pad_token_id"))}
+    for name in keep:
+        settings.pop(name)
+    for name, value in settings.items():
+        try:
+            if hasattr(config, name):
+                setattr(config, name, value)
+        except Exception:  # a derived (read-only) or validated attribute keeps its value
+            pass
+    kinds = getattr(config, "layer_types", None)
+    if kinds is not None:  # every kind the architecture mixes, within the 4 layers (unless derived from others)
+        kinds = list(dict.fromkeys(kinds))
+        try:
+            config.layer_types = (kinds * 4)[:4]
+        except AttributeError:
+            pass
+
+
+def tiny_causal_lm(model_type: str, seed: int = 0, **overrides):
+    """A random 4-layer, 32-wide model of `model_type` from transformers' MODEL_FOR_CAUSAL_LM mapping (its default
+    config shrunk by attribute name, `overrides` last), sdpa attention where it has it, eager otherwise; its output
+    layer sharpened so that greedy runs vary; no EOS. The first shrink (`TIED_SIZES`) whose model builds and
+    generates; otherwise the last attempt's error."""
+    for attempt, keep in enumerate(TIED_SIZES):
+        try:
+            model = _tiny(model_type, seed, keep, overrides)
+            model.generate(torch.tensor([[5, 17, 33]]), max_new_tokens=2, do_sample=False)
+            return model
+        except Exception:
+            if attempt == len(TIED_SIZES) - 1:
+                raise
+
+
+def _tiny(model_type: str, seed: int, keep: tuple[str, ...], overrides: dict):
+    import transformers
+
+    config = transformers.AutoConfig.for_model(model_type)
+    _shrink(config, keep)
+    for name in ("text_config", "decoder", "vision_config", "audio_config"):
+        sub = getattr(config, name, None)
+        if sub is not None and not isinstance(sub, dict):
+            _shrink(sub, keep)
+    for name, value in overrides.items():
+        setattr(config, name, value)
+    config.tie_word_embeddings = False
+    model = None
+    for attn in ("sdpa", "eager"):
+        torch.manual_seed(seed)
+        try:
+            model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+            break
+        except (ValueError, ImportError):
+            if attn == "eager":
+                raise
+    model.eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)
+    generation = model.generation_config
+    generation.eos_token_id = generation.pad_token_id = generation.bos_token_id = None
+    return model

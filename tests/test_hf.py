@@ -268,7 +268,7 @@ def test_bad_input_fails_before_any_work():
         model.generate(PROMPTS[0], max_new_tokens=4, dart_head=head, assistant_model=head)
     with pytest.raises(TypeError, match="dart_head must be a dart_core.DartHead"):
         model.generate(PROMPTS[0], max_new_tokens=4, dart_head="head")
-    with pytest.raises(ValueError, match="DynamicCache of full-attention layers only"):
+    with pytest.raises(ValueError, match="DynamicCache of full-attention and sliding-window layers only"):
         model.generate(PROMPTS[0], max_new_tokens=4, dart_head=head, cache_implementation="static")
     with pytest.raises(ValueError, match="padding after a token"):
         model.generate(PROMPTS[0], attention_mask=torch.tensor([[1, 1, 0, 1, 1, 1, 1]]), max_new_tokens=4,

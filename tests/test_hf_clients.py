@@ -161,6 +161,27 @@ def test_token_healing_gets_the_calls_tokenizer():
     assert torch.equal(model.generate(ids, **kwargs), plain)
 
 
+@pytest.mark.parametrize("eos", [-1, [-1, 9]])
+def test_a_negative_eos_id_never_ends_a_sequence_as_in_plain(eos):
+    """A negative EOS (a common way to turn EOS off) reached the tree search's settings, which refused it."""
+    model, head, _ = attached()
+    kwargs = dict(max_new_tokens=16, do_sample=False, eos_token_id=eos)
+    plain = model.generate(PROMPT, dart_head=False, **kwargs)
+    assert torch.equal(model.generate(PROMPT, dart_head=head, **kwargs), plain)
+    assert torch.equal(model.generate(PROMPT, **kwargs), plain) and model.dart_stats is not None
+
+
+def test_token_ids_an_embedding_does_not_take_are_refused_as_plain_refuses_them():
+    model, head, _ = attached()
+    with pytest.raises(RuntimeError) as plain:
+        model.generate(PROMPT.to(torch.int16), max_new_tokens=4, dart_head=False)
+    with pytest.raises(dart_hf.NotApplicable, match="int16"):
+        model.generate(PROMPT.to(torch.int16), max_new_tokens=4, dart_head=head)
+    with pytest.warns(dart_hf.DartFallbackWarning, match="int16"), pytest.raises(RuntimeError) as got:
+        model.generate(PROMPT.to(torch.int16), max_new_tokens=4)
+    assert str(got.value) == str(plain.value)
+
+
 @pytest.mark.parametrize("name,value", [("dart_ngram", False), ("dart_tree_config", {"remain_total": 5}),
                                         ("dart_tree_config", 8), ("dart_sync_timing", 1), ("dart_cuda_graph", "yes")])
 def test_an_odd_dart_argument_is_a_type_error_naming_it(name, value):
