@@ -83,7 +83,7 @@ WARMUP_TOKENS = 16
 
 
 # ---- prompts ------------------------------------------------------------------------------------------------------
-def read_prompts(path: Path, count: int) -> list[str]:
+def first_prompts(path: Path, count: int) -> list[str]:
     """The first `count` prompts of a JSON-lines file: MT-Bench rows (first of "turns"), "prompt" / "text" rows or
     plain JSON strings."""
     if not path.is_file():
@@ -418,7 +418,7 @@ def main(argv=None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("gpu_check: --device cuda but torch sees no CUDA device")
     progress = Progress()
-    prompts = read_prompts(args.prompt_file, args.prompts)
+    prompts = first_prompts(args.prompt_file, args.prompts)
     result = {"script": "benchmarks/gpu_check.py", "complete": False, "environment": environment(device),
               "settings": {"dtypes": args.dtypes, "nodes": args.nodes, "prompts": args.prompts,
                            "prompt_file": args.prompt_file.name,

@@ -178,12 +178,6 @@ class DartHeadCache:
         self.keys, self.values = self.keys[rows], self.values[rows]
         self.lengths = self.lengths[rows]
 
-    def crop(self, lengths: torch.Tensor) -> None:
-        """Forget rows past `lengths` [B] (e.g. to roll back a request)."""
-        if bool((lengths > self.lengths).any()):
-            raise ValueError("cannot crop a head cache to a length longer than it holds")
-        self.lengths = lengths.to(self.lengths)
-
 
 class DartHead(nn.Module):
     """DART draft head: reads target hidden states at three taps and the next tokens, returns logits for D+1 positions.

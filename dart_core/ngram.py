@@ -500,11 +500,6 @@ class NGramModel:
                              f"{list(tokens.shape)}")
         return torch.cat((states[:, 1:], tokens.to(states.dtype)[:, None]), 1)
 
-    def state_probability(self, states: torch.Tensor, tokens: torch.Tensor,
-                          validate: Optional[bool] = None) -> torch.Tensor:
-        """q values [N, M] float32 for candidates [N, M] after the contexts of `states` [N, S]."""
-        return self.batch_probability(states, tokens, validate=validate)
-
     def _query_keys(self, lowered: torch.Tensor, width: int, m: int, use_matmul: bool) -> torch.Tensor:
         """Keys to look up: lowered digits [N, K+M] (digit - 1 of K context ids, then M candidates) -> [N*K*(1+M)].
 

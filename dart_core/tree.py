@@ -180,7 +180,7 @@ def build_draft_trees(topk_tokens: torch.Tensor, topk_probs: torch.Tensor, conte
         tokens = topk_tokens[:, level]  # [B, K]
         term = logit_term[:, level, None, :]  # [B, 1, K]
         if use_ngram and level > 0:
-            q = ngram.state_probability(beam_state.reshape(b * nb, -1),
+            q = ngram.batch_probability(beam_state.reshape(b * nb, -1),
                                         tokens[:, None, :].expand(b, nb, k).reshape(b * nb, k), validate=False)
             term = term + torch.log(q.view(b, nb, k) + LOG_EPS) * cfg.ngram_weight
         # [B, nb*K], index = beam*K + token

@@ -61,6 +61,7 @@ from dart_core import AcceptanceCurve, DartHead, TreeConfig
 from dart_core.errors import DartInputError
 from dart_core.io import atomic_write, cache_root
 from dart_core.sync import synchronize
+from dart_hf.compat import attention_implementation
 from dart_hf.enable import DartGenerationMixin
 from dart_hf.loop import DartStats, dart_decoding, last_stats
 from dart_hf.target import (keep_accepted_path, plan_for, tree_attention_mask,
@@ -375,7 +376,7 @@ def measure_acceptance(model, tokenizer, head: DartHead, prompts: Optional[Itera
                            progress)
     if not stats.steps:
         raise ValueError("the acceptance run made no verify step (prompts end at once?); use longer generations")
-    name = getattr(model.config, "_name_or_path", "") or type(model).__name__
+    name = model.config.name_or_path or type(model).__name__
     return AcceptanceCurve(tau={r: stats.tau_at(r) for r in sizes}, steps=stats.steps, new_tokens=stats.new_tokens,
                            prompts=len(ids), target=str(name), measured=time.strftime("%Y-%m-%d"))
 
@@ -448,7 +449,7 @@ def _tensor_digest(tensors: dict[str, torch.Tensor]) -> str:
 def target_identity(model) -> str:
     config = {k: v for k, v in model.config.to_dict().items()
               if not k.startswith("_") and k != "transformers_version"}
-    attention = getattr(model.config, "_attn_implementation", None)
+    attention = attention_implementation(model.config)
     return _digest({"class": type(model).__name__, "config": config, "dtype": str(next(model.parameters()).dtype),
                     "attention": attention})
 

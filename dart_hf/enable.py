@@ -11,6 +11,7 @@ from typing import Optional
 
 from dart_core import DartHead, TreeConfig
 from dart_hf.candidate import DartCandidateGenerator
+from dart_hf.compat import CAPTURE_HOOK, CAPTURE_HOOKS_FLAG
 from dart_hf.loop import NotApplicable, _record_stats, dart_decoding, last_stats
 
 _SUBCLASSES: dict[type, type] = {}
@@ -153,7 +154,6 @@ def _enabled_instance(cls: type):
     return enable(cls.__new__(cls))
 
 
-CAPTURE_HOOK = "output_capturing_hook"  # transformers' hidden-state hooks: closures, which pickle cannot save
 
 
 def _picklable_state(module, memo: dict) -> dict:
@@ -163,7 +163,7 @@ def _picklable_state(module, memo: dict) -> dict:
     from collections import OrderedDict
 
     state = dict(module.__dict__)
-    state.pop("_output_capturing_hooks_installed", None)
+    state.pop(CAPTURE_HOOKS_FLAG, None)
     state["_forward_hooks"] = OrderedDict((k, h) for k, h in module._forward_hooks.items()
                                           if getattr(h, "__name__", "") != CAPTURE_HOOK)
     state["_modules"] = {name: _without_capture_hooks(child, memo) for name, child in module._modules.items()}

@@ -21,6 +21,7 @@ from dart_core.head import id_outside_vocab
 from dart_core.matmul import few_row_linears
 from dart_core.sync import synchronize
 from dart_core.tree import score_ranks
+from dart_hf.compat import cache_from_caller, supports_logits_to_keep
 from dart_hf.processors import row_processor, stateful_processor
 from dart_hf.stopping import Stopper, pad_token
 from dart_hf.target import (AttentionLayout, TargetPlan, attention_layout, check_architecture, check_attention,
@@ -456,8 +457,7 @@ def prompt_rows(model, plan: TargetPlan, prefix: torch.Tensor) -> torch.Tensor:
 
 def _last_logits_only(model) -> dict:
     """The forward argument that keeps only the last position's logits, where the model has it."""
-    supports = getattr(model, "_supports_logits_to_keep", None)
-    return {"logits_to_keep": 1} if supports is not None and supports() else {}
+    return {"logits_to_keep": 1} if supports_logits_to_keep(model) else {}
 
 
 def prefill(verifier: _Verifier, head: DartHead, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -693,7 +693,7 @@ def _prepare(model, head: DartHead, input_ids, generation_config, model_kwargs, 
         raise DartInputError("generate() prepared no cache; DART needs a DynamicCache")
     check_cache(cache)
     past = cache.get_seq_length()
-    if batch_size > 1 and (past or getattr(cache, "_is_user_defined", False)):
+    if batch_size > 1 and (past or cache_from_caller(cache)):
         raise DartInputError("a past_key_values cache passed in needs batch size 1 with DART (finished sequences "
                              "leave its cache)")
     if past and past >= input_ids.shape[1]:

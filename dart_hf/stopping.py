@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 
 from dart_core.errors import DartInputError
+from dart_hf.compat import generate_pad_token
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,9 +61,8 @@ class HostStops:
 
 
 def pad_token(generation_config) -> Optional[int]:
-    """The id generate() pads finished rows with (`_pad_token_tensor`, which it sets to the EOS when no pad is
-    given), or None."""
-    pad = getattr(generation_config, "_pad_token_tensor", None)
+    """The id generate() pads finished rows with (the config's pad, else its first EOS), or None."""
+    pad = generate_pad_token(generation_config)
     if pad is None:
         pad = generation_config.pad_token_id
     if isinstance(pad, torch.Tensor):

@@ -17,6 +17,7 @@ from dart_core.errors import DartInputError
 from dart_core.fit import TargetShape, check_fits
 from dart_core.head import additive_mask
 from dart_core.matmul import few_row_linears
+from dart_hf.compat import attention_implementation, registered_attention
 
 # attention implementations that accept an arbitrary 4D additive mask (a tree mask)
 TREE_ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
@@ -78,7 +79,7 @@ def check_architecture(model) -> None:
 
 def check_attention(model) -> None:
     """Tree verification needs an attention implementation that takes a 4D additive mask."""
-    impl = getattr(model.config, "_attn_implementation", None) or "eager"
+    impl = attention_implementation(model.config)
     if impl not in TREE_ATTENTION_IMPLEMENTATIONS:
         raise DartInputError(f"DART tree decoding needs attention that accepts a tree mask "
                              f"({', '.join(TREE_ATTENTION_IMPLEMENTATIONS)}); "
@@ -252,7 +253,7 @@ def _install_sdpa_dispatch() -> None:
 
     with _SDPA_LOCK:
         if not _PLAIN_SDPA:
-            _PLAIN_SDPA.append(AttentionInterface._global_mapping["sdpa"])
+            _PLAIN_SDPA.append(registered_attention("sdpa"))
             AttentionInterface.register("sdpa", _sdpa_dispatch)
 
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 
 @dataclasses.dataclass
-class Batch:
+class TrainingBatch:
     """A right-padded batch: input_ids / attention_mask [B, T] int64, lengths / prompt_lengths [B] int64."""
 
     input_ids: torch.Tensor
@@ -26,15 +26,15 @@ class Batch:
     lengths: torch.Tensor
     prompt_lengths: torch.Tensor
 
-    def to(self, device) -> "Batch":
-        return Batch(*(t.to(device) for t in dataclasses.astuple(self)))
+    def to(self, device) -> "TrainingBatch":
+        return TrainingBatch(*(t.to(device) for t in dataclasses.astuple(self)))
 
     @property
     def num_tokens(self) -> int:
         return int(self.lengths.sum())
 
 
-def collate(samples: Sequence[tuple[np.ndarray, int]], pad_id: int = 0) -> Batch:
+def collate(samples: Sequence[tuple[np.ndarray, int]], pad_id: int = 0) -> TrainingBatch:
     """Right-pad `(tokens, prompt_length)` samples to the longest one."""
     if not samples:
         raise ValueError("cannot collate an empty batch")
@@ -46,7 +46,7 @@ def collate(samples: Sequence[tuple[np.ndarray, int]], pad_id: int = 0) -> Batch
         mask[i, : len(tokens)] = 1
     lengths = torch.tensor([len(t) for t, _ in samples], dtype=torch.long)
     prompts = torch.tensor([min(int(p), len(t)) for t, p in samples], dtype=torch.long)
-    return Batch(ids, mask, lengths, prompts)
+    return TrainingBatch(ids, mask, lengths, prompts)
 
 
 def _restricted_head_ok(model) -> bool:

@@ -47,7 +47,7 @@ from dart_core.sync import synchronize
 from dart_hf.loop import DartStats
 from dart_hf.target import tree_settings
 from dart_train.data import read_shards
-from dart_train.features import Batch, collate, target_features
+from dart_train.features import TrainingBatch, collate, target_features
 from dart_train.loss import LossOutput, TrainingForward, choose_anchors, dart_loss
 from dart_train.vocab import build_draft_vocab
 
@@ -259,7 +259,8 @@ def tau_prompt(tokens: np.ndarray, prompt_length: int, max_prompt: int = 256) ->
 
 
 # ---- head -------------------------------------------------------------------------------------------------------
-def target_shape(model) -> dict:
+def head_dims_for(model) -> dict:
+    """The head config fields the target fixes (widths, heads, rope, vocabulary, layer count)."""
     cfg = model.config.get_text_config()
     hidden = int(cfg.hidden_size)
     heads = int(cfg.num_attention_heads)
@@ -279,7 +280,7 @@ def target_shape(model) -> dict:
 
 def build_head(model, cfg: TrainConfig, train_sequences: list[tuple[np.ndarray, int]]) -> DartHead:
     """A fresh head shaped like the target (or `cfg.init_from`), draft vocab from the training data, taps recorded."""
-    shape = target_shape(model)
+    shape = head_dims_for(model)
     head_class = HEAD_CLASSES[cfg.mode]
     if cfg.init_from is not None:
         head = load_init_head(cfg.init_from, head_class)
@@ -623,7 +624,7 @@ class Trainer:
     def _anchor_generator(self, step: int) -> torch.Generator:
         return torch.Generator().manual_seed((self.cfg.seed * 1_000_003 + step) * 4099 + self.dist.rank)
 
-    def compute(self, batch: Batch, generator: torch.Generator) -> tuple[LossOutput, float, float]:
+    def compute(self, batch: TrainingBatch, generator: torch.Generator) -> tuple[LossOutput, float, float]:
         """Loss of one batch -> (LossOutput, target seconds, head forward seconds)."""
         t0 = time.perf_counter()
         aux, teacher = target_features(self.model, self.layer_ids, batch.input_ids, batch.attention_mask,

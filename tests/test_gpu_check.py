@@ -52,8 +52,8 @@ def test_gpu_check_tiny_cpu_run(tmp_path, gpu_check):
 def test_gpu_check_reads_prompt_files(tmp_path, gpu_check):
     path = tmp_path / "p.jsonl"
     path.write_text('{"turns": ["a", "b"]}\n\n"c"\n{"prompt": "d"}\n{"text": "e"}\n')
-    assert gpu_check.read_prompts(path, 4) == ["a", "c", "d", "e"]
+    assert gpu_check.first_prompts(path, 4) == ["a", "c", "d", "e"]
     with pytest.raises(ValueError, match="fewer than"):
-        gpu_check.read_prompts(path, 5)
+        gpu_check.first_prompts(path, 5)
     with pytest.raises(FileNotFoundError, match="--prompt-file"):
-        gpu_check.read_prompts(tmp_path / "missing.jsonl", 1)
+        gpu_check.first_prompts(tmp_path / "missing.jsonl", 1)

@@ -259,7 +259,7 @@ def test_search_state(order):
     cand = torch.tensor([list(range(7))] * 4)
     paths = [list(c) for c in contexts]
     for step in range(4):
-        got = m.state_probability(state, cand)
+        got = m.batch_probability(state, cand)
         for i, p in enumerate(paths):
             assert got[i].tolist() == ref_probability(root, order, p, list(range(7))), (step, p)
         nxt = [rng.randrange(7) for _ in paths]
