@@ -23,5 +23,5 @@ from dart_hf.outputs import DartGenerateOutput
 from dart_hf.smollm2 import load_smollm2
 
 __all__ = ["DartCandidateGenerator", "DartFallbackWarning", "DartGenerateOutput", "DartGenerationMixin", "DartStats",
-           "MachineCost", "NotApplicable", "TreeChoice", "calibrate", "dart_decoding", "enable", "last_stats", "load_default",
-           "load_smollm2", "tree_choice"]
+           "MachineCost", "NotApplicable", "TreeChoice", "calibrate", "dart_decoding", "enable", "last_stats",
+           "load_default", "load_smollm2", "tree_choice"]

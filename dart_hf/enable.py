@@ -12,7 +12,7 @@ from typing import Optional
 from dart_core import DartHead, TreeConfig
 from dart_hf.candidate import DartCandidateGenerator
 from dart_hf.compat import CAPTURE_HOOK, CAPTURE_HOOKS_FLAG
-from dart_hf.loop import NotApplicable, _record_stats, dart_decoding, last_stats
+from dart_hf.loop import DART_ARGUMENTS, DartOptions, NotApplicable, _record_stats, dart_decoding, last_stats
 
 _SUBCLASSES: dict[type, type] = {}
 # generate() arguments that pick another decoding method, which DART tree decoding does not combine with
@@ -23,45 +23,12 @@ class DartFallbackWarning(UserWarning):
     """A `generate()` call on a model with an attached head ran as plain generate() (the message says why)."""
 
 
-@dataclasses.dataclass(frozen=True)
-class DartOptions:
-    """The DART settings of one generate() call (or the defaults `enable` attaches): the head, and optionally an
-    n-gram and tree settings that override the head's own."""
-
-    head: DartHead
-    ngram: object = None
-    tree_config: Optional[TreeConfig] = None
-    sync_timing: bool = False
-    cuda_graph: bool = False
-
-    def __post_init__(self) -> None:
-        from dart_core.ngram import NGramModel
-
-        if self.ngram is not None and not isinstance(self.ngram, NGramModel):
-            raise TypeError(f"dart_ngram must be a dart_core.NGramModel (or None for the head's own), got "
-                            f"{type(self.ngram).__name__}")
-        if self.tree_config is not None and not isinstance(self.tree_config, TreeConfig):
-            raise TypeError(f"dart_tree_config must be a dart_core.TreeConfig (or None for the head's own), got "
-                            f"{type(self.tree_config).__name__}")
-        for name in ("sync_timing", "cuda_graph"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"dart_{name} must be True or False, got {getattr(self, name)!r}")
-
-    def with_call(self, asked: dict) -> "DartOptions":
-        """These settings with a call's `dart_*` arguments (`asked`, without `dart_head`) taking precedence."""
-        given = {name[len("dart_"):]: value for name, value in asked.items() if value is not None}
-        return dataclasses.replace(self, **given)
-
-    def decoding(self, streamer, tokenizer, synced_gpus: bool):
-        """The `custom_generate` callable that decodes a call with these settings (generate() passes a callable
-        neither the call's streamer, tokenizer nor `synced_gpus`: they are bound here)."""
-        return functools.partial(dart_decoding, synced_gpus=synced_gpus, dart_head=self.head, dart_ngram=self.ngram,
-                                 dart_tree_config=self.tree_config, dart_streamer=streamer, dart_tokenizer=tokenizer,
-                                 dart_sync_timing=self.sync_timing, dart_cuda_graph=self.cuda_graph)
-
-
-# generate()'s DART arguments: `dart_` + each DartOptions field (dart_head, dart_ngram, dart_tree_config, ...)
-DART_ARGUMENTS = tuple(f"dart_{field.name}" for field in dataclasses.fields(DartOptions))
+def _decoding(options: DartOptions, streamer, tokenizer, synced_gpus: bool):
+    """The `custom_generate` callable that decodes a call with `options` (generate() passes a callable neither the
+    call's streamer, tokenizer nor `synced_gpus`: they are bound here)."""
+    dart = {f"dart_{field.name}": getattr(options, field.name) for field in dataclasses.fields(options)}
+    return functools.partial(dart_decoding, synced_gpus=synced_gpus, dart_streamer=streamer, dart_tokenizer=tokenizer,
+                             **dart)
 
 
 class DartGenerationMixin:
@@ -101,8 +68,8 @@ class DartGenerationMixin:
         dart_kwargs = dict(kwargs)
         streamer = dart_kwargs.pop("streamer", None)
         tokenizer = dart_kwargs.get("tokenizer")
-        dart_kwargs["custom_generate"] = options.decoding(streamer, tokenizer,
-                                                          synced_gpus(self, kwargs.get("synced_gpus")))
+        dart_kwargs["custom_generate"] = _decoding(options, streamer, tokenizer,
+                                                   synced_gpus(self, kwargs.get("synced_gpus")))
         try:  # generate() drops the call's tokenizer on the custom_generate path: the two methods below get it here
             return contextvars.copy_context().run(_with_tokenizer, tokenizer, super().generate, inputs,
                                                   generation_config, **dart_kwargs)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import functools
+import inspect
 import threading
 import time
 import warnings
@@ -52,8 +53,8 @@ class DartStats:
         block).
     Times are wall-clock seconds: set-up (checks and preparation before the prefill), prefill (the target on the
     prompt, and on a cached prefix whose head state must be rebuilt), the first draft (the head's pass over the prompt
-    and the first tree search; also counted in head / tree times), the whole call, head forwards (an `Eagle3Head`: all its
-    draft levels with their top-k expansions), tree searches (an `Eagle3Head`: the final node selection), verify
+    and the first tree search; also counted in head / tree times), the whole call, head forwards (an `Eagle3Head`: all
+    its draft levels with their top-k expansions), tree searches (an `Eagle3Head`: the final node selection), verify
     steps and, within those, the tree mask build, the target forwards, the acceptance and the KV compaction. With
     `dart_sync_timing=True` every clock read waits for the device first (per-phase times on an accelerator, at the
     cost of those synchronisations). The `assistant_model=` route fills prompt tokens, accepted lengths and head /
@@ -168,11 +169,83 @@ class NotApplicable(DartInputError):
     reports it; a head attached with `dart_hf.enable(model, head)` runs plain generate() instead."""
 
 
+@dataclasses.dataclass(frozen=True)
+class DartOptions:
+    """The DART settings of one generate() call (or the defaults `dart_hf.enable` attaches): the head, and optionally
+    an n-gram and tree settings that override the head's own. Each field is generate()'s `dart_<field>` argument."""
+
+    head: DartHead
+    ngram: object = None
+    tree_config: Optional[TreeConfig] = None
+    sync_timing: bool = False
+    cuda_graph: bool = False
+
+    def __post_init__(self) -> None:
+        from dart_core.ngram import NGramModel
+
+        if not isinstance(self.head, DartHead):
+            raise TypeError(f"dart_head must be a dart_core.DartHead, got {type(self.head).__name__}")
+        if self.ngram is not None and not isinstance(self.ngram, NGramModel):
+            raise TypeError(f"dart_ngram must be a dart_core.NGramModel (or None for the head's own), got "
+                            f"{type(self.ngram).__name__}")
+        if self.tree_config is not None and not isinstance(self.tree_config, TreeConfig):
+            raise TypeError(f"dart_tree_config must be a dart_core.TreeConfig (or None for the head's own), got "
+                            f"{type(self.tree_config).__name__}")
+        for name in ("sync_timing", "cuda_graph"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"dart_{name} must be True or False, got {getattr(self, name)!r}")
+
+    def with_call(self, asked: dict) -> "DartOptions":
+        """These settings with a call's `dart_*` arguments (`asked`, without `dart_head`) taking precedence."""
+        given = {name[len("dart_"):]: value for name, value in asked.items() if value is not None}
+        return dataclasses.replace(self, **given)
+
+
+# generate()'s DART arguments: `dart_` + each DartOptions field (dart_head, dart_ngram, dart_tree_config, ...)
+DART_ARGUMENTS = tuple(f"dart_{field.name}" for field in dataclasses.fields(DartOptions))
+# what `dart_hf.enable` binds for a call, which generate() does not pass a custom_generate callable
+BOUND_ARGUMENTS = ("dart_streamer", "dart_tokenizer")
+
+
+@dataclasses.dataclass
+class Call:
+    """One generate() call as DART decodes it: what generate() prepared, and the DART options."""
+
+    model: object
+    input_ids: torch.Tensor  # [B, T]
+    logits_processor: object
+    stopping_criteria: object
+    generation_config: object
+    synced_gpus: bool
+    streamer: object
+    tokenizer: object
+    options: DartOptions
+    model_kwargs: dict  # attention_mask, position_ids, past_key_values, ... as generate() prepared them
+
+    @property
+    def want_scores(self) -> bool:
+        return bool(self.generation_config.return_dict_in_generate and self.generation_config.output_scores)
+
+    @property
+    def want_logits(self) -> bool:
+        return bool(self.generation_config.return_dict_in_generate and self.generation_config.output_logits)
+
+
+def _taking_dart_arguments(function):
+    """`function` (whose DART arguments arrive in **kwargs) with a signature that names them: generate() passes a
+    custom_generate callable only the arguments its signature names."""
+    signature = inspect.signature(function)
+    *fixed, rest = signature.parameters.values()
+    named = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None)
+             for name in DART_ARGUMENTS + BOUND_ARGUMENTS]
+    function.__signature__ = signature.replace(parameters=[*fixed, *named, rest])
+    return function
+
+
+@_taking_dart_arguments
 @torch.no_grad()
 def dart_decoding(model, input_ids: torch.LongTensor, logits_processor, stopping_criteria, generation_config,
-                  synced_gpus: bool = False, streamer=None, *, dart_head: Optional[DartHead] = None, dart_ngram=None,
-                  dart_tree_config: Optional[TreeConfig] = None, dart_streamer=None, dart_tokenizer=None,
-                  dart_sync_timing: bool = False, dart_cuda_graph: bool = False, **model_kwargs):
+                  synced_gpus: bool = False, streamer=None, **kwargs):
     """Tree decoding loop for `model.generate(..., custom_generate=dart_decoding, dart_head=head)`: `prefill`, then
     `draft` and `verify_step` while a row still needs tokens (docs/DESIGN.md §1.3); the stopping criteria are called
     exactly as plain generate() calls them (`dart_hf.stopping`).
@@ -195,110 +268,156 @@ def dart_decoding(model, input_ids: torch.LongTensor, logits_processor, stopping
     The call runs in a copy of the caller's `contextvars` context: the kernels it switches on for its own forwards
     (`tree_forwards`) never reach another thread or outlive the call, even when it is interrupted.
     """
-    if dart_head is None:
+    dart = {name: kwargs.pop(name) for name in DART_ARGUMENTS + BOUND_ARGUMENTS if name in kwargs}
+    if dart.get("dart_head") is None:
         raise ValueError("dart_decoding needs dart_head=<DartHead>")
-    call = functools.partial(
-        _decode, model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus,
-        dart_streamer if dart_streamer is not None else streamer, dart_head, dart_ngram, dart_tree_config,
-        dart_tokenizer, bool(dart_sync_timing), bool(dart_cuda_graph), model_kwargs)
-    return contextvars.copy_context().run(call)
+    options = DartOptions(dart.pop("dart_head")).with_call({name: dart.get(name) for name in DART_ARGUMENTS[1:]})
+    streamer = dart["dart_streamer"] if dart.get("dart_streamer") is not None else streamer
+    call = Call(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer,
+                dart.get("dart_tokenizer"), options, kwargs)
+    return contextvars.copy_context().run(_decode, call)
 
 
-def _decode(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer,
-            head: DartHead, ngram, tree_config: Optional[TreeConfig], tokenizer, sync_timing: bool, cuda_graph: bool,
-            model_kwargs: dict):
-    """`dart_decoding`'s body: prepare (every check), prefill, then draft / verify / decide until done."""
+def _decode(call: Call):
+    """`dart_decoding`'s body: prepare (every check), prefill, then emit / draft / verify until done."""
     t_start = time.perf_counter()
-    _record_stats(model, None)
-    want_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
-    want_logits = bool(generation_config.return_dict_in_generate and generation_config.output_logits)
+    _record_stats(call.model, None)
+    run = _start(call)
+    run.stats.setup_time = time.perf_counter() - t_start
+    head, cache = call.options.head, run.verifier.cache
+    with whole_sliding_layers(cache):  # sliding-window layers are compacted as full ones, then trimmed
+        carried = _take_carried(cache, head, run.prepared.past)
+        batch, step, head_cache = prefill(run.verifier, head, run.input_ids, run.prepared.attention_mask,
+                                          run.prepared.positions, run.prepared.past, carried, run.context_len,
+                                          run.stats)
+        with tree_forwards(call.model), few_row_linears(head):
+            while not run.emit(batch, step):
+                batch, step = run.keep_producing(batch, step, head_cache)
+                trees, ancestors, step = run.draft(batch, step, head_cache)
+                step = verify_step(run.verifier, trees, ancestors, batch, run.sequences, step, run.stats)
+        output = run.finish(step, head_cache)
+    run.stats.total_time = time.perf_counter() - t_start
+    return run.result(output)
+
+
+def _start(call: Call) -> "Run":
+    """Every check (`NotApplicable` before any work) and the call's settings, verifier, stopper and statistics."""
+    head, config = call.options.head, call.generation_config
     try:
-        prepared = _prepare(model, head, input_ids, generation_config, model_kwargs, tokenizer, streamer,
-                            want_scores or want_logits, logits_processor, synced_gpus)
-        tree_config = tree_settings(head, generation_config, tree_config)
+        prepared = _prepare(call)
+        tree_config = tree_settings(head, config, call.options.tree_config)
     except DartInputError as err:
         raise NotApplicable(str(err)) from None
-    input_ids = input_ids.long()  # generate()'s output is int64 whatever integer type the prompt had
-    attention_mask, cache, past = prepared.attention_mask, prepared.cache, prepared.past
-    ngram = ngram if ngram is not None else head.ngram
-    context_len = draft_context_length(ngram)
+    input_ids = call.input_ids.long()  # generate()'s output is int64 whatever integer type the prompt had
+    ngram = call.options.ngram if call.options.ngram is not None else head.ngram
     depth = tree_config.draft_levels(head.draft_length + 1)  # deepest draft node
     search = TreeSearch(head, ngram, tree_config)
     greedy_paths = functools.partial(accepted_greedy_paths, max_depth=depth)
-    graphs = cuda_graph and input_ids.device.type == "cuda"
-    if cuda_graph and not graphs:
+    graphs = call.options.cuda_graph and input_ids.device.type == "cuda"
+    if call.options.cuda_graph and not graphs:
         warnings.warn(f"dart_cuda_graph=True applies on CUDA only; on {input_ids.device.type} the drafting pass, tree "
-                      "search and acceptance run eagerly", stacklevel=4)
+                      "search and acceptance run eagerly", stacklevel=5)
     if graphs:  # kept with the head: later calls replay the graphs earlier ones captured
         search = cached_graph(head.cuda_graphs, (ngram, tree_config), search)
         greedy_paths = cached_graph(head.cuda_graphs, ("greedy_paths", depth), greedy_paths)
-    verifier = _Verifier(model, prepared.plan, prepared.layout, cache, logits_processor,
-                         bool(generation_config.do_sample), greedy_paths, pad_token(generation_config))
-    scores, raw_logits = [], []
-    stopper = Stopper(input_ids, stopping_criteria, generation_config, scores if want_scores else None)
-    stats = DartStats(prompt_tokens=int(attention_mask.sum()), sync_timing=sync_timing)
-    _record_stats(model, stats)
-    if streamer is not None:
-        streamer.put(input_ids.cpu())
-    stats.setup_time = time.perf_counter() - t_start
+    verifier = _Verifier(call.model, prepared.plan, prepared.layout, prepared.cache, call.logits_processor,
+                         bool(config.do_sample), greedy_paths, pad_token(config))
+    stats = DartStats(prompt_tokens=int(prepared.attention_mask.sum()), sync_timing=call.options.sync_timing)
+    _record_stats(call.model, stats)
+    scores = [] if call.want_scores else None
+    run = Run(call, prepared, input_ids, tree_config, search, graphs, draft_context_length(ngram), verifier,
+              Stopper(input_ids, call.stopping_criteria, config, scores), stats, scores,
+              [] if call.want_logits else None)
+    if call.streamer is not None:
+        call.streamer.put(input_ids.cpu())
+    return run
 
-    returned_cache = None
-    with whole_sliding_layers(cache):  # sliding-window layers are compacted as full ones, then trimmed
-        carried = _take_carried(cache, head, past)
-        batch, step, head_cache = prefill(verifier, head, input_ids, attention_mask, prepared.positions, past, carried,
-                                          context_len, stats)
-        # per caller's row, its left padding included: the prefix logits processors and sampling see
-        sequences = list(input_ids.split(1)) if verifier.needs_prefixes or want_scores or want_logits else None
-        with tree_forwards(model), few_row_linears(head):
-            while True:
-                for i, row in enumerate(batch.rows):
-                    tokens = step.tokens[i]
-                    if want_scores or want_logits:
-                        _record_scores(scores, raw_logits, sequences[row], step.new_ids[i, : len(tokens)],
-                                       step.logits[i, step.nodes[i, : len(tokens)]], verifier.processors, want_scores,
-                                       want_logits)
-                    if sequences is not None:
-                        sequences[row] = torch.cat((sequences[row], step.new_ids[i : i + 1, : len(tokens)]), dim=1)
-                    stopper.add(row, tokens)
-                decided = stopper.decide()
-                if streamer is not None and decided[0]:
-                    streamer.put(torch.tensor(decided[0]))  # from the host: no device read
-                if stopper.done:
-                    break
-                keep = [i for i, row in enumerate(batch.rows) if stopper.producing(row)]
-                if len(keep) < len(batch.rows):
-                    batch, step = _drop_rows(batch, step, head_cache, cache, keep)
-                if all(stopper.remaining(row) == 1 for row in batch.rows):  # one token left: the root alone decides it
-                    trees, ancestors = root_trees(batch.contexts[:, -1:])
-                else:
-                    trees, ancestors = draft(head, search, step, head_cache, batch, tree_config, graphs, stats)
-                    step = dataclasses.replace(step, aux_rows=step.aux_rows[:, :0], head_ids=step.head_ids[:, :0],
-                                               head_lengths=torch.zeros_like(step.head_lengths))
-                step = verify_step(verifier, trees, ancestors, batch, sequences, step, stats)
 
-        if streamer is not None:
-            streamer.end()
-        output = stopper.output()
-        stats.new_tokens = stopper.new_tokens
-        if want_scores:
-            del scores[stopper.steps:]
-        if want_logits:
-            del raw_logits[stopper.steps:]
-        if input_ids.shape[0] == 1 and generation_config.use_cache:
+@dataclasses.dataclass
+class Run:
+    """A DART call under way: its settings and what it has produced so far."""
+
+    call: Call
+    prepared: "Prepared"
+    input_ids: torch.Tensor  # [B, T] int64
+    tree_config: TreeConfig
+    search: object  # `TreeSearch` (CUDA-graphed or not)
+    graphs: bool
+    context_len: int  # tokens of context the n-gram prior reads
+    verifier: "_Verifier"
+    stopper: Stopper
+    stats: DartStats
+    scores: Optional[list]  # processed scores of each step (output_scores), else None
+    raw_logits: Optional[list]  # raw logits of each step (output_logits), else None
+    sequences: Optional[list] = None  # per caller's row, its tokens so far (left padding included), when read
+
+    def __post_init__(self) -> None:
+        if self.verifier.needs_prefixes or self.scores is not None or self.raw_logits is not None:
+            self.sequences = list(self.input_ids.split(1))
+
+    def emit(self, batch: "Batch", step: "Step") -> bool:
+        """Hand every row's new tokens to the stopper (and scores, prefixes, streamer) -> whether the call is done."""
+        for i, row in enumerate(batch.rows):
+            tokens = step.tokens[i]
+            if self.scores is not None or self.raw_logits is not None:
+                _record_scores(self.scores, self.raw_logits, self.sequences[row], step.new_ids[i, : len(tokens)],
+                               step.logits[i, step.nodes[i, : len(tokens)]], self.verifier.processors)
+            if self.sequences is not None:
+                self.sequences[row] = torch.cat((self.sequences[row], step.new_ids[i : i + 1, : len(tokens)]), dim=1)
+            self.stopper.add(row, tokens)
+        decided = self.stopper.decide()
+        if self.call.streamer is not None and decided[0]:
+            self.call.streamer.put(torch.tensor(decided[0]))  # from the host: no device read
+        return self.stopper.done
+
+    def keep_producing(self, batch: "Batch", step: "Step", head_cache) -> tuple["Batch", "Step"]:
+        """The batch without the rows that need no more tokens."""
+        keep = [i for i, row in enumerate(batch.rows) if self.stopper.producing(row)]
+        if len(keep) == len(batch.rows):
+            return batch, step
+        return _drop_rows(batch, step, head_cache, self.verifier.cache, keep)
+
+    def draft(self, batch: "Batch", step: "Step", head_cache):
+        """The next trees -> (trees, ancestors, the step with the head's pending rows consumed). When every row needs
+        one token more, the roots alone (no head pass), as a plain step decides one token."""
+        if all(self.stopper.remaining(row) == 1 for row in batch.rows):
+            return (*root_trees(batch.contexts[:, -1:]), step)
+        trees, ancestors = draft(self.call.options.head, self.search, step, head_cache, batch, self.tree_config,
+                                 self.graphs, self.stats)
+        consumed = dataclasses.replace(step, aux_rows=step.aux_rows[:, :0], head_ids=step.head_ids[:, :0],
+                                       head_lengths=torch.zeros_like(step.head_lengths))
+        return trees, ancestors, consumed
+
+    def finish(self, step: "Step", head_cache) -> torch.Tensor:
+        """The output [B, T + steps]; a batch-of-one cache cropped as plain leaves it, carrying the head's state."""
+        if self.call.streamer is not None:
+            self.call.streamer.end()
+        output = self.stopper.output()
+        self.stats.new_tokens = self.stopper.new_tokens
+        for kept in (self.scores, self.raw_logits):
+            if kept is not None:
+                del kept[self.stopper.steps:]
+        cache = self.verifier.cache
+        if self.input_ids.shape[0] == 1 and self.call.generation_config.use_cache:
             excess = cache.get_seq_length() - (output.shape[1] - 1)
             if excess > 0:  # what plain generate() leaves: every token but the last
                 crop_cache(cache, excess)
-            _carry(cache, head, head_cache, step, output.shape[1] - 1, attention_mask)
-            returned_cache = cache
-    stats.total_time = time.perf_counter() - t_start
-    if generation_config.return_dict_in_generate:
+            _carry(cache, self.call.options.head, head_cache, step, output.shape[1] - 1,
+                   self.prepared.attention_mask)
+        return output
+
+    def result(self, output: torch.Tensor):
+        """What generate() returns: the output, or with return_dict_in_generate a `DartGenerateOutput`."""
+        if not self.call.generation_config.return_dict_in_generate:
+            return output
         from dart_hf.outputs import DartGenerateOutput
 
         # with several sequences the cache lost the finished ones' rows: it is not returned
-        return DartGenerateOutput(sequences=output, scores=tuple(scores) if want_scores else None,
-                                  logits=tuple(raw_logits) if want_logits else None,
-                                  past_key_values=returned_cache, dart_stats=stats)
-    return output
+        batch_of_one = self.input_ids.shape[0] == 1 and self.call.generation_config.use_cache
+        return DartGenerateOutput(sequences=output, scores=None if self.scores is None else tuple(self.scores),
+                                  logits=None if self.raw_logits is None else tuple(self.raw_logits),
+                                  past_key_values=self.verifier.cache if batch_of_one else None,
+                                  dart_stats=self.stats)
 
 
 @dataclasses.dataclass
@@ -464,8 +583,9 @@ def prefill(verifier: _Verifier, head: DartHead, input_ids: torch.Tensor, attent
             positions: torch.Tensor, past: int, carried: Optional[Carried], context_len: int,
             stats: DartStats) -> tuple[Batch, Step, object]:
     """The target over the left-padded prompts [B, T] (position ids `positions` [B, T]) after the `past` positions
-    already in the cache (batch size 1 when past > 0); each row's later tokens take the positions after its last; each last position picks the first token, verified as a one-node tree so that logits processors
-    and sampling apply exactly as in every later step -> (batch, step, head cache). The step's head rows cover every
+    already in the cache (batch size 1 when past > 0); each row's later tokens take the positions after its last.
+    Each last position picks the first token, verified as a one-node tree so that logits processors and sampling
+    apply exactly as in every later step -> (batch, step, head cache). The step's head rows cover every
     position the head has not consumed: after `carried`'s, or from 0 (for a cache without it, the prefix's hidden
     states come from one more target forward)."""
     device = input_ids.device
@@ -629,9 +749,11 @@ class Prepared:
     past: int  # positions the cache already holds
 
 
-def _prepare(model, head: DartHead, input_ids, generation_config, model_kwargs, tokenizer, streamer,
-             want_scores: bool, processors, synced_gpus: bool) -> Prepared:
+def _prepare(call: Call) -> Prepared:
     """Every check that can fail, before any work."""
+    model, head, input_ids, generation_config = call.model, call.options.head, call.input_ids, call.generation_config
+    model_kwargs, streamer = call.model_kwargs, call.streamer
+    want_scores = call.want_scores or call.want_logits
     mode = generation_config.get_generation_mode()
     if mode.value not in ("greedy_search", "sample"):
         raise DartInputError(f"DART decodes by greedy search or sampling; this call asks for {mode.value} "
@@ -641,7 +763,7 @@ def _prepare(model, head: DartHead, input_ids, generation_config, model_kwargs, 
     layout = attention_layout(model)
     if generation_config.num_return_sequences != 1:
         raise DartInputError("DART returns one sequence per prompt (num_return_sequences must be 1)")
-    if synced_gpus:
+    if call.synced_gpus:
         raise DartInputError("synced_gpus (DeepSpeed ZeRO-3 / FSDP across devices) is not supported with DART")
     if model_kwargs.get("inputs_embeds") is not None:
         raise DartInputError("inputs_embeds is not supported with DART: the head and the n-gram read token ids; "
@@ -657,7 +779,7 @@ def _prepare(model, head: DartHead, input_ids, generation_config, model_kwargs, 
     if batch_size > 1 and streamer is not None:
         raise DartInputError("streamers take one sequence (batch size 1), as in transformers; got batch size "
                              f"{batch_size}")
-    stateful = stateful_processor(processors)
+    stateful = stateful_processor(call.logits_processor)
     if stateful is not None:
         raise DartInputError(f"the logits processor {stateful} keeps state between calls (e.g. guidance_scale's "
                              "unconditional pass), which DART's per-node verification cannot replay as plain "
@@ -699,13 +821,14 @@ def _prepare(model, head: DartHead, input_ids, generation_config, model_kwargs, 
     if past and past >= input_ids.shape[1]:
         raise DartInputError(f"the cache holds {past} positions but input_ids only {input_ids.shape[1]}: pass the "
                              "whole sequence, the cached prefix included, and at least one new token")
-    return Prepared(plan_for(model, head, tokenizer), layout, attention_mask.long(), positions.expand(batch_size, -1).long(),
-                    cache, past)
+    return Prepared(plan_for(model, head, call.tokenizer), layout, attention_mask.long(),
+                    positions.expand(batch_size, -1).long(), cache, past)
 
 
 MODE_ARGUMENTS = {"beam_search": "num_beams", "beam_sample": "num_beams", "group_beam_search": "num_beam_groups",
-                  "constrained_beam_search": "constraints / force_words_ids", "contrastive_search": "penalty_alpha, top_k",
-                  "dola_generation": "dola_layers", "assisted_generation": "assistant_early_exit / use_mtp"}
+                  "constrained_beam_search": "constraints / force_words_ids",
+                  "contrastive_search": "penalty_alpha, top_k", "dola_generation": "dola_layers",
+                  "assisted_generation": "assistant_early_exit / use_mtp"}
 
 
 def _mode_arguments(generation_config, mode: str) -> str:
@@ -735,13 +858,13 @@ def _check_left_padding(attention_mask: torch.Tensor, input_ids: torch.Tensor) -
                              "attention_mask=torch.ones_like(input_ids)")
 
 
-def _record_scores(scores, raw_logits, sequence, new_tokens, path_logits, processors, want_scores,
-                   want_logits) -> None:
+def _record_scores(scores: Optional[list], raw_logits: Optional[list], sequence, new_tokens, path_logits,
+                   processors) -> None:
     """For each new token i: the raw logits [1, V] that chose it and the scores processed with its own prefix."""
     for i in range(new_tokens.shape[0]):
         logits = path_logits[i : i + 1].clone()  # [1, V]
-        if want_logits:
+        if raw_logits is not None:
             raw_logits.append(logits)
-        if want_scores:
+        if scores is not None:
             prefix = torch.cat((sequence, new_tokens[None, :i]), dim=1)
             scores.append(logits if processors is None else processors(prefix, logits.clone()))

@@ -75,13 +75,14 @@ def oracle_head(target, reference: torch.Tensor, draft_length: int = 4, wrong_ev
 
 
 # the sizes `tiny_causal_lm` gives every config attribute of these names that the architecture has
-TINY_SIZES = dict(vocab_size=96, decoder_vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=8, max_position_embeddings=256, moe_intermediate_size=32,
-                  num_experts=4, num_local_experts=4, num_experts_per_tok=2, n_routed_experts=4,
+TINY_SIZES = dict(vocab_size=96, decoder_vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
+                  moe_intermediate_size=32, num_experts=4, num_local_experts=4, num_experts_per_tok=2, n_routed_experts=4,
                   shared_expert_intermediate_size=32, n_shared_experts=1, kv_lora_rank=16, q_lora_rank=16,
                   qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, ffn_dim=64, d_model=32, decoder_layers=4,
                   decoder_attention_heads=4, decoder_ffn_dim=64, encoder_layers=4, encoder_attention_heads=4,
-                  encoder_ffn_dim=64, n_positions=256, n_ctx=256, first_k_dense_replace=1, word_embed_proj_dim=32, rotary_dim=8)
+                  encoder_ffn_dim=64, n_positions=256, n_ctx=256, first_k_dense_replace=1, word_embed_proj_dim=32,
+                  rotary_dim=8)
 # sizes tied to others in some architectures (multi-head latent attention, grouped heads): left at their defaults by
 # the later attempts of `tiny_causal_lm`
 TIED_SIZES = ((), ("head_dim", "num_key_value_heads"),

@@ -74,7 +74,8 @@ def test_hidden_state_capture_hooks():
 def test_no_other_module_names_a_private_transformers_name():
     root = Path(__file__).resolve().parents[1]
     found = [f"{path.relative_to(root)}: {name}"
-             for package in ("dart_core", "dart_hf", "dart_sglang", "dart_train", "dart_cli", "converters", "dart_bench")
+             for package in ("dart_core", "dart_hf", "dart_sglang", "dart_train", "dart_cli", "converters",
+                             "dart_bench")
              for path in (root / package).rglob("*.py") if path.name != "compat.py" or package != "dart_hf"
              for name in PRIVATE_NAMES if re.search(rf"(?<!\w){name}", path.read_text())]
     assert not found
