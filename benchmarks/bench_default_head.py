@@ -11,7 +11,7 @@ for this machine (`dart_hf.tree_choice`), or `--remain-total`.
 
 `--kernel-control` adds a third run per prompt: plain `generate()` whose one-row linear products are computed as a
 two-row `W @ x.T` product (the row twice, one result kept) - the few-row kernel DART's verify step uses
-(`dart_core.matmul`), given to plain decoding too. It tells how much of the speedup is that kernel rather than
+(`dart_runtime.matmul`), given to plain decoding too. It tells how much of the speedup is that kernel rather than
 drafting: `speedup_vs_kernel_control` is DART over it.
 
 `--head-dtype-control DTYPE` adds DART with a copy of the head in DTYPE (e.g. float32, when `load_default` gave the
@@ -31,7 +31,7 @@ import time
 import torch
 
 import dart_hf
-from dart_core.matmul import few_row_linears
+from dart_runtime.matmul import few_row_linears
 from kernel_control import one_row_as_two
 from dart_bench import DATA_DIR, decoding_tree, load_prompt_sets
 from results_io import write_results

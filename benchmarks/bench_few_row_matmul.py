@@ -7,7 +7,7 @@ SmolLM2-135M-Instruct on a 256-token cache, the tree loop's forward (chain mask,
 `--repeats` forwards per k after one warm-up, the cache cut back after each. Products: `f_linear` (the layers' own,
 `F.linear`), `transposed` (`W @ x.T`), `mkl_packed` (MKL's packed weights for the row count, float32 only; a packed
 copy of every weight), `onednn` (oneDNN with its own weight layout; a copy of every weight), `chosen` (what the loop
-takes: `dart_core.matmul.few_row_linear`, measured per machine, row bucket and dtype). `one_row_as_two` is the
+takes: `dart_runtime.matmul.few_row_linear`, measured per machine, row bucket and dtype). `one_row_as_two` is the
 benchmarks' kernel control for plain decoding.
 """
 
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 import dart_hf
-from dart_core.matmul import few_row_linear, few_row_linears, transposed_linear
+from dart_runtime.matmul import few_row_linear, few_row_linears, transposed_linear
 from dart_hf.calibration import device_name
 from dart_hf.target import keep_accepted_path, tree_attention_mask
 from kernel_control import one_row_as_two

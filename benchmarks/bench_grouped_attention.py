@@ -4,7 +4,7 @@
 
 SmolLM2-135M-Instruct (9 query heads on 3 key/value heads) fp32, the decoding loop's tree forward
 (`dart_hf.target.tree_forward`: chain mask, explicit positions, tapped hidden states) over `--nodes` tokens on a
-cache of each `--contexts` length. Both runs take the few-row linear product (`dart_core.matmul.few_row_linears`);
+cache of each `--contexts` length. Both runs take the few-row linear product (`dart_runtime.matmul.few_row_linears`);
 `repeat_kv` is transformers' sdpa, which copies each key/value head 3 times before attending with a 4D mask;
 `grouped` runs inside `tree_forwards(model)`, whose attention stacks the 3 query heads of a key/value head instead.
 The two alternate forward by forward (`--repeats` each after one warm-up pair; the cache is cut back after every
@@ -23,7 +23,7 @@ import torch
 from transformers import DynamicCache
 
 import dart_hf
-from dart_core.matmul import few_row_linears
+from dart_runtime.matmul import few_row_linears
 from dart_hf.target import grouped_attention, keep_accepted_path, tree_attention_mask, tree_forward, tree_forwards
 from results_io import write_results
 

@@ -20,7 +20,7 @@ from transformers import DynamicCache
 
 import dart_hf
 from dart_core import DartConfig, DartHead, TreeConfig
-from dart_core.testing import ReplayHead
+from dart_bench.replay import ReplayHead
 from results_io import write_results
 
 PROMPT = "Explain in a few sentences how a hash table works and when it is a bad choice."

@@ -67,7 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from results_io import write_results  # noqa: E402
 
 from dart_bench import first_difference  # noqa: E402
-from dart_core.sync import synchronize  # noqa: E402
+from dart_runtime.sync import synchronize  # noqa: E402
 from dart_hf.loop import tau_of  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

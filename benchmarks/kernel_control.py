@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from dart_core.matmul import few_row_linear
+from dart_runtime.matmul import few_row_linear
 
 
 def one_row_as_two(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -39,7 +39,7 @@ from typing import Optional, Sequence
 import torch
 
 from dart_core import TreeConfig
-from dart_core.sync import synchronize
+from dart_runtime.sync import synchronize
 from dart_core.errors import DartInputError
 
 METHODS = ("plain", "prompt_lookup", "dart_tree", "dart_chain", "eagle3")

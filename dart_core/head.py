@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dart_core.config import ACCEPTANCE_KEY, CONFIG_NAME, AcceptanceCurve, DartConfig, TreeConfig
-from dart_core.cuda_graph import cached_graph
+from dart_runtime.cuda_graph import cached_graph
 from dart_core.errors import DartInputError
 from dart_core.io import atomic_write, is_inside, load_safetensors_checked, save_safetensors_atomic
 from dart_core.ngram import NGramModel

@@ -60,7 +60,7 @@ import torch
 from dart_core import AcceptanceCurve, DartHead, TreeConfig
 from dart_core.errors import DartInputError
 from dart_core.io import atomic_write, cache_root
-from dart_core.sync import synchronize
+from dart_runtime.sync import synchronize
 from dart_hf.compat import attention_implementation
 from dart_hf.enable import DartGenerationMixin
 from dart_hf.loop import DartStats, dart_decoding, last_stats

@@ -16,11 +16,11 @@ from typing import Optional
 import torch
 
 from dart_core import DartHead, DraftTreeBatch, TreeConfig, draft_context_length, verify_greedy, verify_tree
-from dart_core.cuda_graph import cached_graph
+from dart_runtime.cuda_graph import cached_graph
 from dart_core.errors import DartInputError
 from dart_core.head import id_outside_vocab
-from dart_core.matmul import few_row_linears
-from dart_core.sync import synchronize
+from dart_runtime.matmul import few_row_linears
+from dart_runtime.sync import synchronize
 from dart_core.tree import score_ranks
 from dart_hf.compat import cache_from_caller, supports_logits_to_keep
 from dart_hf.processors import row_processor, stateful_processor

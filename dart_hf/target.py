@@ -16,7 +16,7 @@ from dart_core import DartHead, TreeConfig
 from dart_core.errors import DartInputError
 from dart_core.fit import TargetShape, check_fits
 from dart_core.head import additive_mask
-from dart_core.matmul import few_row_linears
+from dart_runtime.matmul import few_row_linears
 from dart_hf.compat import attention_implementation, registered_attention
 
 # attention implementations that accept an arbitrary 4D additive mask (a tree mask)
@@ -219,7 +219,7 @@ def tree_forward(model, node_ids: torch.Tensor, positions: torch.Tensor, mask: t
 @contextlib.contextmanager
 def tree_forwards(model) -> Iterator[None]:
     """Within the block, in this context only, `model`'s forwards take the kernels that suit tree verification:
-    few-row linear layers the faster CPU product (`dart_core.matmul`), sdpa attention `grouped_sdpa_attention`.
+    few-row linear layers the faster CPU product (`dart_runtime.matmul`), sdpa attention `grouped_sdpa_attention`.
     Results are those of the model's own kernels up to float rounding; other threads and code outside the block keep
     the model's own kernels."""
     with few_row_linears(model), grouped_attention():

@@ -43,7 +43,7 @@ from dart_core import DartConfig, DartHead, Eagle3Head, NGramModel
 from dart_core.config import check_float, check_int
 from dart_core.errors import DartInputError
 from dart_core.io import WEIGHT_DTYPES, atomic_write, set_aside_copies, staged_directory
-from dart_core.sync import synchronize
+from dart_runtime.sync import synchronize
 from dart_hf.loop import DartStats
 from dart_hf.target import tree_settings
 from dart_train.data import read_shards

@@ -8,7 +8,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from dart_core import DartConfig, DartHead
-from dart_core.testing import ReplayHead
+from dart_bench.replay import ReplayHead
 
 ARCHS = {
     "llama": (LlamaConfig, LlamaForCausalLM),

@@ -12,18 +12,21 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # import name -> directory (dart_converters lives in converters/, pyproject.toml's package-dir)
-PACKAGES = {"dart_core": "dart_core", "dart_hf": "dart_hf", "dart_sglang": "dart_sglang",
+PACKAGES = {"dart_runtime": "dart_runtime", "dart_core": "dart_core", "dart_hf": "dart_hf", "dart_sglang": "dart_sglang",
             "dart_converters": "converters", "dart_train": "dart_train", "dart_bench": "dart_bench",
             "dart_cli": "dart_cli"}
 # what each package may import (directly or inside functions): the layers of docs/DESIGN.md §1.1
+# dart_runtime (platform code: kernels, CUDA graphs, device sync) is the bottom layer; dart_core keeps DART's
+# decisions and no test oracle (those live in dart_bench, with the tests and benchmarks that use them)
 ALLOWED = {
-    "dart_core": set(),
+    "dart_runtime": set(),
+    "dart_core": {"dart_runtime"},
     "dart_converters": {"dart_core"},
-    "dart_hf": {"dart_core"},
-    "dart_sglang": {"dart_core", "dart_converters"},
-    "dart_train": {"dart_core", "dart_hf"},
-    "dart_bench": {"dart_core", "dart_hf"},
-    "dart_cli": {"dart_core", "dart_converters", "dart_hf", "dart_sglang", "dart_train", "dart_bench"},
+    "dart_hf": {"dart_core", "dart_runtime"},
+    "dart_sglang": {"dart_core", "dart_runtime", "dart_converters"},
+    "dart_train": {"dart_core", "dart_runtime", "dart_hf"},
+    "dart_bench": {"dart_core", "dart_runtime", "dart_hf"},
+    "dart_cli": {"dart_core", "dart_runtime", "dart_converters", "dart_hf", "dart_sglang", "dart_train", "dart_bench"},
 }
 SGLANG_ARCHITECTURE_MODULE = "dart_sglang/head_format.py"
 

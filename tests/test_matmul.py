@@ -1,4 +1,4 @@
-"""dart_core.matmul: the few-row product equals F.linear, applies only where it should, and undoes itself."""
+"""dart_runtime.matmul: the few-row product equals F.linear, applies only where it should, and undoes itself."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dart_core import matmul
-from dart_core.matmul import MAX_ROWS, few_row_linear, few_row_linears
+from dart_runtime import matmul
+from dart_runtime.matmul import MAX_ROWS, few_row_linear, few_row_linears
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 7, 10, 11, 40])

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import dart_hf
-from dart_core import matmul
+from dart_runtime import matmul
 from dart_hf import target as target_module
 from hf_models import oracle_head, random_head, tiny_target
 
