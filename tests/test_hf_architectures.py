@@ -26,7 +26,7 @@ REFUSED = {
     "mamba": "without a KV cache", "falcon_mamba": "without a KV cache", "moss_transcribe_diarize": "no position_ids",
     "axk2": "indexed_attention", "glm_moe_dsa": "indexed_attention", "falcon_h1": "hybrid",
     "kimi_linear": "linear_attention", "recurrent_gemma": "linear_attention",
-    "deepseek_v4": "compressed_sparse_attention", "inkling_text": "hybrid", "inkling2_text": "hybrid", "zaya": "hybrid",
+    "deepseek_v4": "compressed_sparse_attention", "inkling_text": "hybrid", "inkling2_text": "hybrid",
     "lfm3": "conv",
     "llama4": "chunked_attention", "llama4_text": "chunked_attention", "minimax": "linear_attention",
     "nemotron_h": "linear_attention", "olmo_hybrid": "linear_attention", "qwen3_5": "linear_attention",
@@ -34,8 +34,10 @@ REFUSED = {
     "qwen3_next": "linear_attention",
 }
 # a 4-layer, 32-wide config of these cannot be made by shrinking the default by attribute name (their own sizes are
-# tied in ways the generic shrink does not know), or building one takes minutes
+# tied in ways the generic shrink does not know), or building one takes minutes; cohere2_moe and zaya build only
+# sometimes after other tests have run (transformers' heterogeneous configs lose attributes set after construction)
 NOT_BUILT = {
+    "cohere2_moe", "zaya",
     "axk1", "bailing_hybrid", "bamba", "beam", "blt", "cohere_compass_text", "dbrx", "deepseek_v3", "deepseek_v32",
     "dots3_note", "dots3_note_text", "emu3", "gemma3n", "gemma3n_text", "gemma4", "gemma4_assistant",
     "gemma4_unified", "gemma4_unified_assistant", "granitemoehybrid", "hrm_text", "hy_v4", "jamba", "lfm2_moe",
