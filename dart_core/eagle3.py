@@ -23,7 +23,8 @@ from typing import Optional
 import torch
 
 from dart_core.config import DartConfig, TreeConfig
-from dart_core.head import EAGLE3_ARCHITECTURE, DartHead, DartHeadCache, additive_mask
+from dart_core import head_math
+from dart_core.head import EAGLE3_ARCHITECTURE, DartHead, DartHeadCache
 from dart_core.tree import DraftTree, DraftTreeBatch
 
 
@@ -68,8 +69,10 @@ class Eagle3Head(DartHead):
         real row (not cached here)."""
         self._check_inputs(aux_hidden, shifted_ids, cache, lengths)
         lengths = self._lengths(shifted_ids, lengths)
-        h, k, v = self._attend_rows(aux_hidden, shifted_ids, lengths, *self._past(cache, aux_hidden), 0)
-        return h + self.midlayer.mlp(self.midlayer.post_attention_layernorm(h)), k, v, lengths
+        parts = self.parts()
+        x, residual = head_math.real_inputs(parts, aux_hidden, shifted_ids)  # [B, T, 2H], [B, T, H]
+        h, k, v = head_math.attend_new_rows(parts, x, residual, lengths, *self._past(cache, aux_hidden), 0)
+        return head_math.finish(parts, h), k, v, lengths
 
     def forward(self, aux_hidden: torch.Tensor, shifted_ids: torch.Tensor, cache: Optional[DartHeadCache] = None,
                 lengths: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,7 +85,7 @@ class Eagle3Head(DartHead):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Layer outputs [..., H] -> draft-vocab logits [..., Vd] (the reference's double final norm)."""
-        return self.lm_head(self.norm(self.norm(hidden)))
+        return head_math.logits(self.parts(), hidden)
 
     # ---- steps >= 1: chain rows -----------------------------------------------------------------------------
     def chain_rows(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
@@ -101,17 +104,14 @@ class Eagle3Head(DartHead):
 
     def _chain_qkv(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor):
         """Chain rows' input cat(input_layernorm(embed(y)), hidden_norm(h)) -> q, k, v (RoPE applied)."""
-        layer = self.midlayer
-        x = torch.cat((layer.input_layernorm(self._embed(tokens).to(hidden.dtype)), layer.hidden_norm(hidden)),
-                      dim=-1)
-        return layer.self_attn.qkv(x, positions, self.inv_freq)
+        parts = self.parts()
+        return parts.qkv(head_math.layer_input(parts, parts.embed(tokens).to(hidden.dtype), hidden), positions)
 
     def _chain_output(self, hidden: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                       see: torch.Tensor) -> torch.Tensor:
         """Attention over keys/values [B, kv, S, hd] where see [B, K, S] (residual: the fed hidden), then the MLP."""
-        layer = self.midlayer
-        h = hidden + layer.self_attn.attend(q, keys, values, additive_mask(see, hidden.dtype))
-        return h + layer.mlp(layer.post_attention_layernorm(h))
+        parts = self.parts()
+        return head_math.finish(parts, hidden + parts.o_proj(head_math.attention(q, keys, values, see, parts.scale)))
 
     # ---- the drafter interface (`DartHead`'s, with this drafter's mechanics) ----------------------------------
     max_batch_size = 1  # the chain rows of one sequence fill the cache's scratch space

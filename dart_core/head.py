@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dart_core import head_math
 from dart_core.config import ACCEPTANCE_KEY, CONFIG_NAME, AcceptanceCurve, DartConfig, TreeConfig
 from dart_runtime.cuda_graph import cached_graph
 from dart_core.errors import DartInputError
@@ -92,15 +93,6 @@ class DartAttention(nn.Module):
         k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
-
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """q [B, heads, T, hd], k/v [B, kv, S, hd], additive mask [B, 1, T, S] -> [B, T, H] (after o_proj)."""
-        groups = self.num_heads // self.num_kv_heads
-        if groups > 1:
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype))
-        b, _, t, _ = out.shape
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
 
 
 class DartMLP(nn.Module):
@@ -278,18 +270,11 @@ class DartHead(nn.Module):
              past_keys: torch.Tensor, past_values: torch.Tensor, past_lengths: torch.Tensor):
         """`forward` as a pure function of the cached rows: past_keys/values [B, kv, S, hd] (columns past
         past_lengths[b] unread) -> (logits [B, D+1, draft_vocab], k/v [B, kv, T, hd] of the new rows)."""
-        d = self.config.draft_length
-        h, k, v = self._attend_rows(aux_hidden, shifted_ids, lengths, past_keys, past_values, past_lengths, d)
-        b, t = shifted_ids.shape
-        layer = self.midlayer
-
-        # keep the last real row and the D mask rows
-        last_real = (lengths - 1).clamp(min=0)
-        idx = torch.cat((last_real[:, None], t + torch.arange(d, device=h.device).expand(b, d)), dim=1)  # [B, D+1]
-        h = torch.gather(h, 1, idx[..., None].expand(b, d + 1, h.shape[-1]))
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
-        # the reference applies the final norm in forward and again in compute_logits
-        return self.lm_head(self.norm(self.norm(h))), k[:, :, :t], v[:, :, :t]
+        self._require_embeddings()
+        parts = self.parts()
+        x, residual = head_math.real_inputs(parts, aux_hidden, shifted_ids)  # [B, T, 2H], [B, T, H]
+        return head_math.draft_step(parts, x, residual, lengths, past_keys, past_values, past_lengths,
+                                    self.config.draft_length)
 
     @staticmethod
     def _lengths(shifted_ids: torch.Tensor, lengths: Optional[torch.Tensor]) -> torch.Tensor:
@@ -310,43 +295,16 @@ class DartHead(nn.Module):
         span = cache.keys.shape[2] if capacity else cache.span
         return cache.keys[:, :, :span], cache.values[:, :, :span], cache.lengths
 
-    def _attend_rows(self, aux_hidden: torch.Tensor, shifted_ids: torch.Tensor, lengths: torch.Tensor,
-                     past_keys: torch.Tensor, past_values: torch.Tensor, past: torch.Tensor, num_mask_rows: int):
-        """The layer's attention over the T new rows (the first lengths[b] real) and `num_mask_rows` mask rows, after
-        the cached rows past_keys/values [B, kv, S, hd] (the first past[b] real) -> (h [B, T+M, H] after the
-        attention residual, k/v [B, kv, T+M, hd]). Nothing is cached here."""
-        self._require_embeddings()
-        b, t = shifted_ids.shape
-        d = num_mask_rows
-        dtype = self.fc.weight.dtype
+    def parts(self) -> head_math.HeadParts:
+        """The layer's pieces for `dart_core.head_math` (the target's embedding table included)."""
         layer = self.midlayer
-
-        x, s = self.row_inputs(aux_hidden, shifted_ids)  # [B, T, 2H], [B, T, H]
-        residual = s
-        if d:
-            mask_rows = layer.mask_rep.to(dtype).expand(b, d, -1)
-            x = torch.cat((x, mask_rows), dim=1)  # [B, T+D, 2H]
-            residual = torch.cat((s, mask_rows[..., : self.config.hidden_size]), dim=1)  # [B, T+D, H]
-
-        positions = row_positions(past, lengths, t, d)  # [B, T+D]
-        q, k, v = layer.self_attn.qkv(x, positions, self.inv_freq)
-        span = past_keys.shape[2]
-        if span:
-            keys = torch.cat((past_keys, k), dim=2)
-            values = torch.cat((past_values, v), dim=2)
-        else:
-            keys, values = k, v
-        mask = step_attention_mask(past, lengths, span, t, d, dtype)  # [B, 1, T+D, span+T+D]
-        return residual + layer.self_attn.attend(q, keys, values, mask), k, v
-
-    def row_inputs(self, aux_hidden: torch.Tensor, shifted_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's input of real rows: aux_hidden [B, T, 3*Ht], shifted_ids [B, T] -> (x = cat(input_layernorm(
-        embed(id)), hidden_norm(fc(aux))) [B, T, 2H], the residual fc(aux) [B, T, H]), in the head's dtype."""
-        layer = self.midlayer
-        dtype = self.fc.weight.dtype
-        s = self.fc(aux_hidden.to(dtype))  # [B, T, H]
-        e = self._embed(shifted_ids).to(dtype)  # [B, T, H]
-        return torch.cat((layer.input_layernorm(e), layer.hidden_norm(s)), dim=-1), s
+        attn = layer.self_attn
+        return head_math.HeadParts(
+            dtype=self.fc.weight.dtype, embed=self._embed, fc=self.fc, input_layernorm=layer.input_layernorm,
+            hidden_norm=layer.hidden_norm, mask_rep=getattr(layer, "mask_rep", None),
+            qkv=functools.partial(attn.qkv, inv_freq=self.inv_freq), o_proj=attn.o_proj,
+            post_attention_layernorm=layer.post_attention_layernorm, mlp=layer.mlp, norm=self.norm,
+            vocab_logits=self.lm_head)
 
     def _require_embeddings(self) -> None:
         if self._embed is None:
@@ -420,29 +378,15 @@ class DartHead(nn.Module):
         aux [B, N, 3*Ht], shifted_ids [B, N] (row i embeds x[i+1]), anchors [B, A] in 0..N-1 -> (real_logits
         [B, N, Vd]: prediction k=0 of every real row, block_logits [B, A, D, Vd]: predictions k=1..D of each anchor).
         Rows: the N real rows, then a block of D mask rows per anchor p (input mask_rep, residual mask_rep[:H], RoPE
-        positions p+1..p+D) that sees the real rows <= p and its own earlier rows only (`training_visibility`), so
+        positions p+1..p+D) that sees the real rows <= p and its own earlier rows only (`head_math.training_rows`), so
         every output equals the inference forward on its prefix.
         """
         self._require_embeddings()
+        parts = self.parts()
         b, n = shifted_ids.shape
-        a = anchors.shape[1]
-        cfg = self.config
-        d, h_size = cfg.draft_length, cfg.hidden_size
-        dtype = self.fc.weight.dtype
-        layer = self.midlayer
-
-        x_real, s = self.row_inputs(aux, shifted_ids)  # [B, N, 2H], [B, N, H]
-        mask_rows = layer.mask_rep.to(dtype).expand(b, a * d, 2 * h_size)
-        x = torch.cat((x_real, mask_rows), dim=1)  # [B, S, 2H]
-        residual = torch.cat((s, mask_rows[..., :h_size]), dim=1)  # [B, S, H]
-
-        positions = training_positions(anchors, n, d)
-        q, k, v = layer.self_attn.qkv(x, positions, self.inv_freq)
-        mask = additive_mask(training_visibility(anchors, n, d), q.dtype)
-        h = residual + layer.self_attn.attend(q, k, v, mask)
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
-        logits = self.lm_head(self.norm(self.norm(h)))  # the reference's double final norm
-        return logits[:, :n], logits[:, n:].reshape(b, a, d, -1)
+        x, residual = head_math.real_inputs(parts, aux, shifted_ids)  # [B, N, 2H], [B, N, H]
+        logits = head_math.training_pass(parts, x, residual, anchors, self.config.draft_length)
+        return logits[:, :n], logits[:, n:].reshape(b, anchors.shape[1], self.config.draft_length, -1)
 
     # ---- loading and saving ---------------------------------------------------------------------------------
     @classmethod
@@ -541,38 +485,6 @@ def _check_architecture(cls: type, config: DartConfig, path: str) -> None:
                              f"dart_core.eagle3.Eagle3Head.from_pretrained")
 
 
-def row_positions(past: torch.Tensor, lengths: torch.Tensor, t: int, d: int) -> torch.Tensor:
-    """RoPE positions [B, T+D]: real row i at past+i, mask row j right after the row's last real row."""
-    b = past.shape[0]
-    offs = torch.arange(t + d, device=past.device).expand(b, t + d)
-    mask_offs = lengths[:, None] + torch.arange(d, device=past.device)  # [B, D]
-    offs = torch.cat((offs[:, :t], mask_offs), dim=1)
-    return past[:, None] + offs
-
-
-def step_attention_mask(past: torch.Tensor, lengths: torch.Tensor, span: int, t: int, d: int,
-                        dtype: torch.dtype) -> torch.Tensor:
-    """Additive mask [B, 1, T+D, span+T+D] for one head step.
-
-    Columns 0..span-1 are cached rows (visible when < past[b]); then the T new rows (visible when real and not in
-    the future) and the D mask rows (causal among themselves, after all real rows).
-    """
-    device = past.device
-    q = torch.arange(t + d, device=device)
-    cols_new = torch.arange(t + d, device=device)
-    real_col = (cols_new[None, :] < lengths[:, None]) | (cols_new[None, :] >= t)  # [B, T+D]
-    causal = cols_new[None, :] <= q[:, None]  # [T+D, T+D]
-    see_new = causal[None] & real_col[:, None, :]  # [B, T+D, T+D]
-    see_cache = (torch.arange(span, device=device)[None, :] < past[:, None])[:, None, :].expand(-1, t + d, -1)
-    return additive_mask(torch.cat((see_cache, see_new), dim=-1), dtype)
-
-
-def additive_mask(see: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """bool visibility [B, Q, S] -> additive float mask [B, 1, Q, S] (0 visible, finfo.min hidden)."""
-    zero = torch.zeros((), dtype=dtype, device=see.device)
-    return torch.where(see, zero, torch.finfo(dtype).min)[:, None]
-
-
 def id_outside_vocab(ids: torch.Tensor, vocab_size: int) -> Optional[int]:
     """A token id of `ids` (any shape) outside 0..vocab_size-1 (the lowest if one is negative, else the highest), or
     None when all lie inside. One host synchronisation."""
@@ -598,32 +510,3 @@ def check_draft_vocab(d2t: torch.Tensor, vocab_size: int, source: str = "head") 
     problem = draft_vocab_problem(d2t, vocab_size)
     if problem:
         raise DartInputError(f"{source}: {problem}")
-
-
-def training_positions(anchors: torch.Tensor, num_real: int, draft_length: int) -> torch.Tensor:
-    """RoPE positions [B, N + A*D]: real row i at i, row j (1..D) of the block of anchor p at p + j."""
-    b, a = anchors.shape
-    device = anchors.device
-    real = torch.arange(num_real, device=device).expand(b, num_real)
-    block = anchors[:, :, None] + torch.arange(1, draft_length + 1, device=device)  # [B, A, D]
-    return torch.cat((real, block.reshape(b, a * draft_length)), dim=1)
-
-
-def training_visibility(anchors: torch.Tensor, num_real: int, draft_length: int) -> torch.Tensor:
-    """bool [B, S, S] with S = N + A*D: entry [b, r, c] says whether row r may attend to row c in
-    `DartHead.training_forward`."""
-    b, a = anchors.shape
-    d, n = draft_length, num_real
-    device = anchors.device
-    s = n + a * d
-    see = torch.zeros(b, s, s, dtype=torch.bool, device=device)
-    idx = torch.arange(n, device=device)
-    see[:, :n, :n] = idx[None, :] <= idx[:, None]  # real rows: causal
-    # block rows -> real rows: columns <= the block's anchor
-    block_anchor = anchors.repeat_interleave(d, dim=1)  # [B, A*D]
-    see[:, n:, :n] = idx[None, None, :] <= block_anchor[:, :, None]
-    # block rows -> block rows: same block and not later inside it
-    rows = torch.arange(a * d, device=device)
-    same_block = (rows[:, None] // d) == (rows[None, :] // d)
-    see[:, n:, n:] = same_block & (rows[None, :] <= rows[:, None])
-    return see

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from dart_core import DartHead, TreeConfig
 from dart_core.errors import DartInputError
 from dart_core.fit import TargetShape, check_fits
-from dart_core.head import additive_mask
+from dart_core.head_math import additive_mask
 from dart_runtime.matmul import few_row_linears
 from dart_hf.compat import attention_implementation, registered_attention
 

@@ -6,7 +6,7 @@ runs over the rows PACKED back to back, [N = sum of counts, ...]: a real row's k
 alone, so packing costs nothing and wastes nothing. The attention has one fixed-size query block per request (its
 last real row and the D mask rows), so only the KEYS are ragged (each request's own cached prefix): they are
 PADDED to the longest prefix of the round, [B, S, ...], with padding zeroed and masked out, which makes the whole
-round one dense `scaled_dot_product_attention` call on any device (a packed, block-diagonal attention would cost
+round one dense `scaled_dot_product_attention` call on any device (`dart_core.head_math.draft_step`) (a packed, block-diagonal attention would cost
 B^2 and a varlen kernel is CUDA-only).
 
 Shapes: B requests, counts [B] (>= 1 new rows each), N = counts.sum(), S = the longest prefix, D mask rows.
@@ -15,7 +15,6 @@ Shapes: B requests, counts [B] (>= 1 new rows each), N = counts.sum(), S = the l
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 
 def segment_offsets(counts: torch.Tensor, total: int | None = None) -> torch.Tensor:
@@ -77,41 +76,3 @@ def gather_padded(buffer: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor
     out = buffer.new_zeros(*slots.shape, *buffer.shape[1:])
     out[valid] = buffer[slots[valid]]
     return out
-
-
-def block_positions(lengths: torch.Tensor, num_mask_rows: int) -> torch.Tensor:
-    """lengths [B] -> [B, D+1]: the query block's positions, the last real row (lengths-1) then the D mask rows."""
-    return lengths[:, None] - 1 + torch.arange(num_mask_rows + 1, device=lengths.device)
-
-
-def block_visibility(lengths: torch.Tensor, span: int, num_mask_rows: int) -> torch.Tensor:
-    """lengths [B], span S >= max(lengths), D -> bool [B, D+1, S+D]: which key column each query sees.
-
-    Columns 0..S-1 are the request's cached real rows (its own last row included), padded to S; columns S+m are
-    mask row m+1's key. Query 0 (the last real row) sees the request's real rows; mask row j (query j) also sees
-    mask rows 1..j; no query sees padding (§2.2 step 3, the mask rows after the real rows, causal)."""
-    d = num_mask_rows
-    cols = torch.arange(span + d, device=lengths.device)
-    real = cols[None, None, :] < lengths[:, None, None]  # [B, 1, S+D]; False for every mask column (>= S)
-    query = torch.arange(d + 1, device=lengths.device)
-    mask = (cols[None, :] >= span) & (cols[None, :] - span < query[:, None])  # [D+1, S+D]
-    return real | mask[None]
-
-
-def block_attention(q: torch.Tensor, mask_k: torch.Tensor, mask_v: torch.Tensor, past_k: torch.Tensor,
-                    past_v: torch.Tensor, lengths: torch.Tensor, scale: float) -> torch.Tensor:
-    """The query blocks of B requests in one attention call.
-
-    q [B, D+1, heads, hd] (RoPE applied); mask_k/mask_v [B, D, kv, hd]: the mask rows' keys/values; past_k/past_v
-    [B, S, kv, hd]: each request's cached real rows (its last real row's included), padded (`gather_padded`);
-    lengths [B] -> [B, D+1, heads*hd] (before o_proj)."""
-    b, q_len, heads, hd = q.shape
-    span, kv_heads = past_k.shape[1], past_k.shape[2]
-    keys = torch.cat((past_k.to(mask_k.dtype), mask_k), dim=1)  # [B, S+D, kv, hd]
-    values = torch.cat((past_v.to(mask_v.dtype), mask_v), dim=1)
-    groups = heads // kv_heads
-    keys = keys.repeat_interleave(groups, dim=2).transpose(1, 2)  # [B, heads, S+D, hd]
-    values = values.repeat_interleave(groups, dim=2).transpose(1, 2)
-    see = block_visibility(lengths, span, q_len - 1)[:, None]  # [B, 1, D+1, S+D]
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=see, scale=scale)
-    return out.transpose(1, 2).reshape(b, q_len, heads * hd)  # [B, D+1, heads*hd]

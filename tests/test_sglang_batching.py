@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dart_sglang.batching import (accepted_rows, block_attention, block_positions, block_visibility, gather_padded,
-                                  last_rows, packed_positions, packed_slots, padded_slots, segment_offsets,
-                                  shift_within)
+from dart_core import head_math
+from dart_sglang.batching import (accepted_rows, gather_padded, last_rows, packed_positions, packed_slots, padded_slots,
+                                  segment_offsets, shift_within)
 
 
 def random_round(seed: int, max_batch: int = 5, max_rows: int = 7):
@@ -31,7 +31,7 @@ def random_round(seed: int, max_batch: int = 5, max_rows: int = 7):
 def test_packing_matches_a_per_request_loop(seed):
     g, counts, starts = random_round(seed)
     b, n = counts.shape[0], int(counts.sum())
-    offsets, positions, last, pool_of_row = [], [], [], []
+    offsets, positions, last = [], [], []
     for i in range(b):
         offsets += list(range(int(counts[i])))
         positions += [int(starts[i]) + j for j in range(int(counts[i]))]
@@ -65,12 +65,21 @@ def test_packing_matches_a_per_request_loop(seed):
     assert slots.dtype == torch.long and slots.tolist() == expected
 
 
+def round_rows(lengths: torch.Tensor, span: int, num_mask_rows: int) -> tuple[head_math.Rows, head_math.Rows]:
+    """The rows of a round's query blocks as `LlamaForCausalLMDart.draft_logits` lays them out: (queries: each
+    request's last real row and its mask rows, keys: the S cached columns, then the queries)."""
+    queries, cached = head_math.step_rows(lengths - 1, torch.ones_like(lengths), span, 1, num_mask_rows)
+    return queries, head_math.Rows.cat(cached, queries)
+
+
 def test_block_positions_and_visibility():
-    assert block_positions(torch.tensor([3, 1]), 2).tolist() == [[2, 3, 4], [0, 1, 2]]
-    see = block_visibility(torch.tensor([3, 1]), span=3, num_mask_rows=2).int().tolist()
-    # columns: 3 cached real rows (padded), then mask rows 1..2
-    assert see[0] == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
-    assert see[1] == [[1, 0, 0, 0, 0], [1, 0, 0, 1, 0], [1, 0, 0, 1, 1]]  # never the padding columns 1, 2
+    queries, keys = round_rows(torch.tensor([3, 1]), span=3, num_mask_rows=2)
+    assert queries.positions().tolist() == [[2, 3, 4], [0, 1, 2]]
+    see = head_math.visibility(queries, keys).int().tolist()
+    # columns: 3 cached real rows (padded; the last real row's own column is read as the new row instead), the last
+    # real row, then mask rows 1..2
+    assert see[0] == [[1, 1, 0, 1, 0, 0], [1, 1, 0, 1, 1, 0], [1, 1, 0, 1, 1, 1]]
+    assert see[1] == [[0, 0, 0, 1, 0, 0], [0, 0, 0, 1, 1, 0], [0, 0, 0, 1, 1, 1]]  # never the padding columns
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -115,6 +124,20 @@ def one_request_attention(q, mask_k, mask_v, past_k, past_v, scale):
     values = values.repeat_interleave(groups, dim=1).transpose(0, 1)
     out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=see[None], scale=scale)
     return out.transpose(0, 1).reshape(d + 1, heads * hd)
+
+
+def block_attention(q, mask_k, mask_v, past_k, past_v, lengths, scale):
+    """The round's attention as `LlamaForCausalLMDart.draft_logits` runs it (`dart_core.head_math`): q [B, D+1,
+    heads, hd], mask_k/v [B, D, kv, hd], past_k/v [B, S, kv, hd] (each request's rows 0..lengths-1, padded) ->
+    [B, D+1, heads*hd]."""
+    b, span = past_k.shape[:2]
+    last = lengths - 1
+    new_k = torch.cat((past_k[torch.arange(b), last][:, None], mask_k), dim=1)  # the last real row is a new row
+    new_v = torch.cat((past_v[torch.arange(b), last][:, None], mask_v), dim=1)
+    queries, keys = round_rows(lengths, span, mask_k.shape[1])
+    k = torch.cat((past_k, new_k), dim=1).transpose(1, 2)
+    v = torch.cat((past_v, new_v), dim=1).transpose(1, 2)
+    return head_math.attention(q.transpose(1, 2), k, v, head_math.visibility(queries, keys), scale)
 
 
 @pytest.mark.parametrize("seed", range(6))

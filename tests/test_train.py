@@ -13,12 +13,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import dart_core.head as head_mod
+from dart_core import head_math
 from dart_cli.main import main
 from dart_core import DartHead, NGramModel, TreeConfig
 from dart_train.data import read_shards, write_shard
 from dart_train.features import collate, target_features
-from dart_core.head import training_visibility
 from dart_train.loss import TrainingForward, anchor_range, choose_anchors, dart_loss, kl_and_agreement
 from dart_train.trainer import TrainConfig, Trainer, heldout_mask, lr_factor, split_windows, train
 from dart_train.vocab import build_draft_vocab, count_tokens, draft_vocab_buffers, select_draft_tokens
@@ -60,34 +59,39 @@ def test_training_forward_equals_inference_forward_per_anchor(seed, draft_length
     assert _max_error_vs_inference(head, aux, ids, anchors) < 1e-5
 
 
-def _blocks_see_each_other(anchors, n, d):
-    see = training_visibility(anchors, n, d)
+def _blocks_see_each_other(see, n):
     see[:, n:, n:] = True
-    return see
 
 
-def _blocks_see_later_real_rows(anchors, n, d):
-    see = training_visibility(anchors, n, d)
+def _blocks_see_later_real_rows(see, n):
     see[:, n:, :n] = True
-    return see
 
 
-def _real_rows_see_blocks(anchors, n, d):
-    see = training_visibility(anchors, n, d)
+def _real_rows_see_blocks(see, n):
     see[:, :n, n:] = True
-    return see
 
 
 @pytest.mark.parametrize("broken", [_blocks_see_each_other, _blocks_see_later_real_rows, _real_rows_see_blocks])
 def test_a_leaky_training_mask_fails_the_equivalence_check(monkeypatch, broken):
     head, aux, ids, anchors = _head_and_inputs(0, 4)
-    monkeypatch.setattr(head_mod, "training_visibility", broken)
+    n = ids.shape[1]
+    training_columns = n + anchors.shape[1] * 4  # the inference passes of the check are shorter
+    visibility = head_math.visibility
+
+    def leaky(queries, keys):
+        see = visibility(queries, keys)
+        if see.shape[-1] == training_columns:
+            broken(see, n)
+        return see
+
+    monkeypatch.setattr(head_math, "visibility", leaky)
     assert _max_error_vs_inference(head, aux, ids, anchors) > 1e-2
 
 
 def test_training_mask_hand_case():
     # N = 3 real rows, D = 2, anchors (1, 0): rows 0-2 real, 3-4 block of anchor 1, 5-6 block of anchor 0
-    see = training_visibility(torch.tensor([[1, 0]]), 3, 2)[0].int().tolist()
+    rows = head_math.training_rows(torch.tensor([[1, 0]]), 3, 2)
+    see = head_math.visibility(rows, rows)[0].int().tolist()
     assert see == [[1, 0, 0, 0, 0, 0, 0],
                    [1, 1, 0, 0, 0, 0, 0],
                    [1, 1, 1, 0, 0, 0, 0],
@@ -95,7 +99,7 @@ def test_training_mask_hand_case():
                    [1, 1, 0, 1, 1, 0, 0],
                    [1, 0, 0, 0, 0, 1, 0],
                    [1, 0, 0, 0, 0, 1, 1]]
-    assert head_mod.training_positions(torch.tensor([[1, 0]]), 3, 2).tolist() == [[0, 1, 2, 2, 3, 1, 2]]
+    assert rows.positions().tolist() == [[0, 1, 2, 2, 3, 1, 2]]
 
 
 # ---- loss, eligibility, anchors -----------------------------------------------------------------------------------

@@ -7,7 +7,8 @@ in `vocab_logits`), so every rank computes the same logits as `dart_core.DartHea
 through SGLang's attention backends: a real row's keys/values depend on that row alone, so they are written to
 SGLang's draft KV pool at the row's token slot (radix-cache sharing keeps working), and the query blocks of all
 requests of a round (each: last real row + D mask rows) attend over them in one plain torch attention call
-(`dart_sglang.batching`: rows packed, each request's cached keys padded to the round's longest).
+(`dart_sglang.batching`: rows packed, each request's cached keys padded to the round's longest). The forward itself
+is `dart_core.head_math`'s, with this model's layers plugged in (`parts`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from sglang.srt.distributed.communication_op import tensor_model_parallel_all_ga
 from sglang.srt.distributed.parallel_state import get_tensor_model_parallel_world_size
 from sglang.srt.models.llama_eagle3 import LlamaForCausalLMEagle3
 
-from dart_sglang.batching import block_attention, block_positions
+from dart_core import head_math
 
 
 class LlamaForCausalLMDart(LlamaForCausalLMEagle3):
@@ -48,60 +49,50 @@ class LlamaForCausalLMDart(LlamaForCausalLMEagle3):
             raise ValueError("the DART draft checkpoint has no midlayer.mask_rep: it is not a DART head (an EAGLE3 "
                              "head needs --speculative-algorithm EAGLE3)")
 
-    # ---- the DART forward, all requests of a round at once (dart_sglang.batching) ------------------------------
+    # ---- the DART forward (`dart_core.head_math`), all requests of a round at once ------------------------------
     @property
     def layer(self):
         return self.model.layers[0]
 
-    def row_inputs(self, aux_hidden: torch.Tensor, next_ids: torch.Tensor):
-        """aux_hidden [T, 3*Ht] (target taps), next_ids [T] (the token after each row) -> (x [T, 2H], residual [T, H])."""
-        layer = self.layer
-        s = self.model.fc(aux_hidden.to(self.model.fc.weight.dtype))
-        e = self.model.embed_tokens(next_ids)
-        return torch.cat((layer.input_layernorm(e), layer.hidden_norm(s)), dim=-1), s
+    def parts(self) -> head_math.HeadParts:
+        """This model's SGLang layers as the pieces of `dart_core.head_math`'s one forward (features flattened to
+        the [rows, features] SGLang's layers take)."""
+        layer, attn = self.layer, self.layer.self_attn
+        return head_math.HeadParts(
+            dtype=self.model.fc.weight.dtype, embed=_on_rows(self.model.embed_tokens, ids=True), fc=self.model.fc,
+            input_layernorm=_on_rows(layer.input_layernorm), hidden_norm=_on_rows(layer.hidden_norm),
+            mask_rep=layer.mask_rep, qkv=self.qkv, o_proj=_on_rows(lambda out: attn.o_proj(out)[0]),
+            post_attention_layernorm=_on_rows(layer.post_attention_layernorm), mlp=_on_rows(layer.mlp),
+            norm=_on_rows(self.model.norm), vocab_logits=_on_rows(self.vocab_logits), scale=attn.scaling)
 
     def qkv(self, x: torch.Tensor, positions: torch.Tensor):
-        """x [T, 2H], positions [T] -> q [T, heads, hd], k/v [T, kv_heads, hd] (RoPE on q and k)."""
+        """x [B, R, 2H], positions [B, R] -> q [B, heads, R, hd], k/v [B, kv_heads, R, hd] (RoPE on q and k)."""
         attn = self.layer.self_attn
-        qkv, _ = attn.qkv_proj(x)
+        b, r = positions.shape
+        qkv, _ = attn.qkv_proj(x.reshape(b * r, -1))
         q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
-        q, k = attn.rotary_emb(positions, q, k)
-        t = x.shape[0]
-        return (q.reshape(t, attn.num_heads, attn.head_dim), k.reshape(t, attn.num_kv_heads, attn.head_dim),
-                v.reshape(t, attn.num_kv_heads, attn.head_dim))
+        q, k = attn.rotary_emb(positions.reshape(-1), q, k)
+        return tuple(t.reshape(b, r, heads, attn.head_dim).transpose(1, 2)
+                     for t, heads in ((q, attn.num_heads), (k, attn.num_kv_heads), (v, attn.num_kv_heads)))
 
     def real_rows(self, aux_hidden: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor):
         """N real rows of any requests, packed (aux_hidden [N, 3*Ht], next_ids [N], positions [N]) -> (x [N, 2H],
         residual [N, H], k/v [N, kv_heads, hd]): the keys/values are what the draft KV pool stores for them, x and
         the residual what a request's query block starts from at its last row."""
-        x, residual = self.row_inputs(aux_hidden, next_ids)
-        _, k, v = self.qkv(x, positions)
-        return x, residual, k, v
+        x, residual = head_math.real_inputs(self.parts(), aux_hidden, next_ids)
+        _, k, v = self.qkv(x[None], positions[None])  # [1, kv, N, hd]
+        return x, residual, k[0].transpose(0, 1), v[0].transpose(0, 1)
 
     def draft_logits(self, x_last: torch.Tensor, res_last: torch.Tensor, lengths: torch.Tensor,
                      past_k: torch.Tensor, past_v: torch.Tensor) -> torch.Tensor:
         """Draft-vocab logits [B, D+1, Vd] of B requests' last real rows (inputs x_last [B, 2H], res_last [B, H], at
         positions lengths-1) and the D mask rows after each. past_k/past_v [B, S, kv_heads, hd]: each request's
-        rows 0..lengths[b]-1, its last real row's included, padded to S (`batching.gather_padded`)."""
-        d = self.draft_length
-        b = x_last.shape[0]
-        layer = self.layer
-        h_size = res_last.shape[-1]
-        mask_rep = layer.mask_rep.to(x_last.dtype)
-        x = torch.cat((x_last[:, None], mask_rep.expand(b, d, -1)), dim=1)  # [B, D+1, 2H]
-        residual = torch.cat((res_last[:, None], mask_rep[:h_size].expand(b, d, -1)), dim=1)  # [B, D+1, H]
-        positions = block_positions(lengths, d)  # [B, D+1]
-        q, k, v = self.qkv(x.reshape(b * (d + 1), -1), positions.reshape(-1))
-        q, k, v = (t.reshape(b, d + 1, *t.shape[1:]) for t in (q, k, v))
-        # the last real rows' k/v are in past (written before); the mask rows' are not
-        attn = layer.self_attn
-        out = block_attention(q, k[:, 1:], v[:, 1:], past_k, past_v, lengths, attn.scaling)  # [B, D+1, heads*hd]
-        out, _ = attn.o_proj(out.reshape(b * (d + 1), -1))
-        h = residual.reshape(b * (d + 1), h_size) + out
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
-        # the reference applies the final norm in forward and again in compute_logits
-        h = self.model.norm(self.model.norm(h))
-        return self.vocab_logits(h).reshape(b, d + 1, -1)
+        rows 0..lengths[b]-1 padded to S (`batching.gather_padded`); the last real row attends as a new row (its
+        cached column is not read twice)."""
+        logits, _, _ = head_math.draft_step(self.parts(), x_last[:, None], res_last[:, None], torch.ones_like(lengths),
+                                            past_k.transpose(1, 2), past_v.transpose(1, 2), lengths - 1,
+                                            self.draft_length)
+        return logits
 
     def vocab_logits(self, h: torch.Tensor) -> torch.Tensor:
         """h [T, H] -> draft-vocab logits [T, Vd]. Under tensor parallelism each rank holds a slice of the lm_head's
@@ -111,6 +102,16 @@ class LlamaForCausalLMDart(LlamaForCausalLMEagle3):
         if get_tensor_model_parallel_world_size() > 1:
             logits = tensor_model_parallel_all_gather(logits, dim=-1)
         return logits[:, : self.config.draft_vocab_size]
+
+
+def _on_rows(layer, ids: bool = False):
+    """`layer` applied to [..., F] features (or [...] ids) as the [rows, F] (or [rows]) SGLang's layers take."""
+    def apply(t: torch.Tensor) -> torch.Tensor:
+        lead = t.shape if ids else t.shape[:-1]
+        out = layer(t.reshape(-1) if ids else t.reshape(-1, t.shape[-1]))
+        return out.reshape(*lead, out.shape[-1])
+
+    return apply
 
 
 EntryClass = [LlamaForCausalLMDart]
