@@ -26,6 +26,13 @@ CAPTURE_HOOK = "output_capturing_hook"
 CAPTURE_HOOKS_FLAG = "_output_capturing_hooks_installed"
 
 
+def synced_gpus(model, asked: Optional[bool]) -> bool:
+    """generate()'s `synced_gpus` for a call on `model` (as `asked`, else whether it is sharded over processes that
+    must step together), which generate() decides but does not pass to a custom_generate callable: transformers' own
+    rule (`_extract_generation_mode_kwargs`)."""
+    return bool(model._extract_generation_mode_kwargs(None, {}, asked, None, None)["synced_gpus"])
+
+
 def generate_pad_token(generation_config) -> Optional[torch.Tensor]:
     """The pad token generate() prepared for the call (`_pad_token_tensor`: the config's pad, else its first EOS), or
     None outside generate(): plain pads finished rows with it, and DART's output must match."""

@@ -11,6 +11,7 @@ from typing import Optional
 
 from dart_core import DartHead, TreeConfig
 from dart_hf.candidate import DartCandidateGenerator
+from dart_hf import compat
 from dart_hf.compat import CAPTURE_HOOK, CAPTURE_HOOKS_FLAG
 from dart_hf.loop import DART_ARGUMENTS, DartOptions, NotApplicable, _record_stats, dart_decoding, last_stats
 
@@ -69,7 +70,7 @@ class DartGenerationMixin:
         streamer = dart_kwargs.pop("streamer", None)
         tokenizer = dart_kwargs.get("tokenizer")
         dart_kwargs["custom_generate"] = _decoding(options, streamer, tokenizer,
-                                                   synced_gpus(self, kwargs.get("synced_gpus")))
+                                                   compat.synced_gpus(self, kwargs.get("synced_gpus")))
         try:  # generate() drops the call's tokenizer on the custom_generate path: the two methods below get it here
             return contextvars.copy_context().run(_with_tokenizer, tokenizer, super().generate, inputs,
                                                   generation_config, **dart_kwargs)
@@ -158,19 +159,6 @@ def _with_tokenizer(call_tokenizer, generate, *args, **kwargs):
     """`generate(*args, **kwargs)` with `call_tokenizer` as the call's (run in a copied context)."""
     _CALL_TOKENIZER.set(call_tokenizer)
     return generate(*args, **kwargs)
-
-
-def synced_gpus(model, asked: Optional[bool]) -> bool:
-    """generate()'s `synced_gpus` for a call on `model`: as `asked`, else whether the model is sharded across
-    processes that must step together (DeepSpeed ZeRO-3 or FSDP, more than one process), as generate() decides."""
-    if asked is not None:
-        return bool(asked)
-    import torch.distributed as dist
-    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
-    from transformers.integrations.fsdp import is_fsdp_managed_module
-
-    processes = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    return (is_deepspeed_zero3_enabled() or is_fsdp_managed_module(model)) and processes > 1
 
 
 def enable(model, head: Optional[DartHead] = None, *, ngram=None, tree_config: Optional[TreeConfig] = None):

@@ -26,7 +26,7 @@ from dart_hf.compat import cache_from_caller, supports_logits_to_keep
 from dart_hf.processors import row_processor, stateful_processor
 from dart_hf.stopping import Stopper, pad_token
 from dart_hf.target import (AttentionLayout, TargetPlan, attention_layout, check_architecture, check_attention,
-                            check_cache, crop_cache, keep_accepted_path, plan_for, prompt_positions,
+                            check_cache, crop_cache, keep_accepted_path, plan_for, prompt_positions, sliding_dropped,
                             tapped_hidden_states, tree_attention_mask, tree_forward, tree_forwards, tree_settings,
                             whole_sliding_layers)
 
@@ -682,7 +682,7 @@ def verify_step(verifier: _Verifier, trees: DraftTreeBatch, ancestors: torch.Ten
     dtype = next(verifier.model.parameters()).dtype
     past = verifier.cache.get_seq_length()
     mask = tree_attention_mask(ancestors, batch.columns, dtype, trees.depths, verifier.layout,
-                               verifier.layout.dropped(verifier.cache, past))
+                               sliding_dropped(verifier.cache, past))
     t1 = stats.clock(device)
     out = tree_forward(verifier.model, trees.tokens, batch.root_positions[:, None] + trees.depths, mask, verifier.cache,
                        verifier.plan.layer_ids)

@@ -98,13 +98,6 @@ class AttentionLayout:
     window: Optional[int]  # W of the sliding-window layers (a query at index i sees keys at indices > i - W), or None
     by_type: bool  # both full and sliding layers: the model takes its masks as a dict by layer type
 
-    def dropped(self, cache, columns: int) -> int:
-        """Of the `columns` cache columns full layers hold, how many the sliding layers have already let go."""
-        for layer in cache.layers:
-            if getattr(layer, "is_sliding", False) and layer.is_initialized:
-                return columns - layer.keys.shape[-2]
-        return 0
-
 
 def attention_layout(model) -> AttentionLayout:
     """The layout of `model`'s attention layers, from its config as transformers reads it for its caches. Raises
@@ -153,6 +146,14 @@ def whole_sliding_layers(cache) -> Iterator[None]:
             if layer.is_initialized:
                 layer.keys = layer.keys[..., -layer.sliding_window + 1 :, :]
                 layer.values = layer.values[..., -layer.sliding_window + 1 :, :]
+
+
+def sliding_dropped(cache, columns: int) -> int:
+    """Of the `columns` cache columns full layers hold, how many the sliding layers have already let go."""
+    for layer in cache.layers:
+        if getattr(layer, "is_sliding", False) and layer.is_initialized:
+            return columns - layer.keys.shape[-2]
+    return 0
 
 
 def _update_keeping_all(layer, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):

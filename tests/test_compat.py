@@ -14,7 +14,8 @@ from dart_hf import compat
 from hf_models import random_head, tiny_target
 
 PRIVATE_NAMES = ("_pad_token_tensor", "_supports_logits_to_keep", "_is_user_defined", "_attn_implementation",
-                 "_global_mapping", "_output_capturing_hooks_installed", "output_capturing_hook")
+                 "_global_mapping", "_output_capturing_hooks_installed", "output_capturing_hook",
+                 "_extract_generation_mode_kwargs")
 PROMPT = torch.tensor([[5, 17, 33, 2, 9]])
 
 
@@ -35,6 +36,18 @@ def test_generate_pad_token(kwargs, pad):
     config, _ = seen_by_a_decoding_method(**kwargs)
     got = compat.generate_pad_token(config)
     assert (got is None) if pad is None else int(got) == pad
+
+
+def test_synced_gpus(monkeypatch):
+    model = tiny_target()
+    assert compat.synced_gpus(model, True) and not compat.synced_gpus(model, False)
+    assert not compat.synced_gpus(model, None)  # one process, not sharded
+    # sharded with ZeRO-3 over two processes: generate() syncs them
+    import transformers.generation.utils as generation
+
+    monkeypatch.setattr(generation, "is_deepspeed_zero3_enabled", lambda: True)
+    monkeypatch.setattr(generation, "_get_torch_distributed_world_size", lambda: 2)
+    assert compat.synced_gpus(model, None) and not compat.synced_gpus(model, False)
 
 
 def test_cache_from_caller():
