@@ -13,29 +13,13 @@ over plain's, in this run. Identity compares the whole padded output tensors.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
-import time
 
 import torch
 
 import dart_hf
-from dart_bench import DATA_DIR, decoding_tree, load_prompt_sets
-from results_io import write_results
-
-
-
-def mt_bench(count: int) -> list[str]:
-    return load_prompt_sets(DATA_DIR, count, ["mt_bench"])["mt_bench"]
-
-
-def encode(tokenizer, texts: list[str]) -> dict:
-    """Chat-templated, left-padded batch: input_ids / attention_mask [B, T]."""
-    chats = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
-                                           tokenize=False) for t in texts]
-    return dict(tokenizer(chats, return_tensors="pt", padding=True, add_special_tokens=False))
+from dart_bench import chat_batch, decoding_tree, prompt_set, script_parser, timed, write_results
 
 
 def new_tokens(out: torch.Tensor, prompt_width: int, pad: int) -> int:
@@ -44,27 +28,19 @@ def new_tokens(out: torch.Tensor, prompt_width: int, pad: int) -> int:
     return int((tail != pad).sum())
 
 
-def timed(model, batch, max_new_tokens, **kwargs):
-    t0 = time.perf_counter()
-    out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False, **kwargs)
-    return out, time.perf_counter() - t0
-
-
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", help="write results here")
+    parser = script_parser(__doc__, threads=2)
     parser.add_argument("--batch-sizes", default="1,2,4,8")
     parser.add_argument("--prompts", type=int, default=8, help="MT-Bench questions (first turn), default 8")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     model, tokenizer, head = dart_hf.load_default()
     tokenizer.padding_side = "left"
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     tokenizer.pad_token_id = pad
-    texts = mt_bench(args.prompts)
+    texts = prompt_set("mt_bench", args.prompts)
     results = {"max_new_tokens": args.max_new_tokens, "threads": args.threads, "prompts": len(texts),
                "tree_nodes": decoding_tree(model, head).remain_total, "batch_sizes": {}}
     for size in (int(s) for s in args.batch_sizes.split(",")):
@@ -74,10 +50,11 @@ def main(argv=None) -> int:
             plain_tokens = dart_tokens = 0
             plain_time = dart_time = 0.0
             for group in groups:
-                batch = encode(tokenizer, group)
+                batch = chat_batch(tokenizer, group)
                 width = batch["input_ids"].shape[1]
-                plain, t_plain = timed(model, batch, args.max_new_tokens, pad_token_id=pad)
-                dart, t_dart = timed(model, batch, args.max_new_tokens, pad_token_id=pad, dart_head=head)
+                common = dict(**batch, max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=pad)
+                plain, t_plain = timed(model.generate, **common)
+                dart, t_dart = timed(model.generate, **common, dart_head=head)
                 identical += int(torch.equal(plain, dart))
                 plain_tokens += new_tokens(plain, width, pad)
                 dart_tokens += new_tokens(dart, width, pad)

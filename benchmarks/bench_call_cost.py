@@ -15,46 +15,30 @@ generate()'s own preparation).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import statistics
 import sys
-import time
 
 import torch
 
 import dart_hf
-from dart_bench import read_prompt_rows
-from results_io import write_results
-
+from dart_bench import gsm8k_few_shot, interleave, read_prompt_rows, script_parser, write_results
 
 
 def harness_prompt(tokenizer, tokens: int) -> torch.Tensor:
     """[1, tokens] ids: few-shot GSM8K shots then a question, the shots cut from the front to fit."""
     rows = read_prompt_rows("gsm8k")
-    question = f"Question: {rows[0]['question']}\nAnswer:"
-    shots = "".join(f"Question: {r['question']}\nAnswer: {r['answer']}\n\n" for r in rows[1:40])
-    ids = tokenizer(shots + question, return_tensors="pt").input_ids
+    ids = tokenizer(gsm8k_few_shot(rows[1:40], rows[0]), return_tensors="pt").input_ids
     if ids.shape[1] < tokens:
         raise ValueError(f"the shots give {ids.shape[1]} tokens, fewer than {tokens}")
     return ids[:, -tokens:]
 
 
-def timed_call(model, ids, n: int, **kwargs) -> tuple[float, torch.Tensor]:
-    t0 = time.perf_counter()
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                         do_sample=False, **kwargs)
-    return time.perf_counter() - t0, out
-
-
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", help="write results here")
+    parser = script_parser(__doc__, threads=2)
     parser.add_argument("--prompt-tokens", default="50,400,1500")
     parser.add_argument("--new-tokens", default="1,2,4,8,16,32,128")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--remain-total", type=int, help="draft nodes per tree (default: chosen for this machine)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -67,20 +51,30 @@ def main(argv=None) -> int:
     print("prompt  new  plain ms  dart ms  ratio  setup  prefill  first-draft  decode  identical")
     for length in (int(x) for x in args.prompt_tokens.split(",")):
         ids = harness_prompt(tokenizer, length)
-        timed_call(model, ids, 4)  # warm-up
-        timed_call(model, ids, 4, dart_head=head, dart_tree_config=tree)
+
+        def calls(n: int) -> dict:
+            """plain and DART, both decoding exactly n tokens"""
+            common = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False)
+            return {"plain": lambda: model.generate(ids, attention_mask=torch.ones_like(ids), **common),
+                    "dart": lambda: model.generate(ids, attention_mask=torch.ones_like(ids), **common,
+                                                   dart_head=head, dart_tree_config=tree)}
+
+        for warm in calls(4).values():  # warm-up
+            warm()
         for n in (int(x) for x in args.new_tokens.split(",")):
-            plain_s, dart_s, phases, identical = [], [], [], True
-            for _ in range(args.repeats):
-                seconds, want = timed_call(model, ids, n)
-                plain_s.append(seconds)
-                seconds, got = timed_call(model, ids, n, dart_head=head, dart_tree_config=tree)
-                dart_s.append(seconds)
-                identical &= torch.equal(want, got)
-                s = dart_hf.last_stats(model)
-                phases.append((s.setup_time, s.prefill_time, s.first_draft_time,
-                               seconds - s.setup_time - s.prefill_time - s.first_draft_time))
-            plain_ms, dart_ms = 1000 * statistics.median(plain_s), 1000 * statistics.median(dart_s)
+            outputs, phases, same = {}, [], []
+
+            def after(method, out, seconds, _):
+                outputs[method] = out
+                if method == "dart":
+                    same.append(torch.equal(outputs["plain"], out))
+                    s = dart_hf.last_stats(model)
+                    phases.append((s.setup_time, s.prefill_time, s.first_draft_time,
+                                   seconds - s.setup_time - s.prefill_time - s.first_draft_time))
+
+            clock = interleave(calls(n), args.repeats, after=after)  # plain and DART alternate
+            identical = all(same)
+            plain_ms, dart_ms = 1000 * clock.median("plain"), 1000 * clock.median("dart")
             phase_ms = [1000 * statistics.median(p[i] for p in phases) for i in range(4)]
             row = {"prompt_tokens": length, "new_tokens": n, "plain_ms": plain_ms, "dart_ms": dart_ms,
                    "ratio": plain_ms / dart_ms, "setup_ms": phase_ms[0], "prefill_ms": phase_ms[1],

@@ -17,16 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import resource
 import struct
-import subprocess
 import sys
 import tempfile
-import time
 
 import numpy as np
-from results_io import write_results
+
+from dart_bench import machine_info, script_parser, timed, write_results
+from dart_bench.memory import peak_rss_mib, run_child
 
 
 def synthetic_corpus(tokens: int, vocab: int, seed: int) -> list[np.ndarray]:
@@ -44,34 +42,20 @@ def python_loop_rate(path: str, nbytes: int = 64 << 20) -> float:
     with open(path, "rb") as fh:
         buf = fh.read(nbytes)
     node, child = struct.Struct("<iQiQ").unpack_from, struct.Struct("<iQ").unpack_from
-    off, n, end = 16, 0, len(buf) - (1 << 20)
-    t0 = time.perf_counter()
-    while off < end:
-        _, _, _, nch = node(buf, off)
-        off += 24
-        for _ in range(nch):
-            child(buf, off)
-            off += 12
-        n += 1
-    return n / (time.perf_counter() - t0)
 
+    def parse() -> int:
+        off, n, end = 16, 0, len(buf) - (1 << 20)
+        while off < end:
+            _, _, _, nch = node(buf, off)
+            off += 24
+            for _ in range(nch):
+                child(buf, off)
+                off += 12
+            n += 1
+        return n
 
-def peak_rss_mib() -> dict:
-    """This process's peak resident memory: VmHWM (Linux, the current address space) and ru_maxrss.
-
-    ru_maxrss of a child started by subprocess can include the parent's peak (the child is vfork-ed from the
-    parent and Linux folds the pre-exec address space into it), so VmHWM is the number reported.
-    """
-    out = {"ru_maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "vmhwm_mib": None}
-    try:
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                if line.startswith("VmHWM:"):
-                    out["vmhwm_mib"] = int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    out["peak_mib"] = out["vmhwm_mib"] if out["vmhwm_mib"] is not None else out["ru_maxrss_mib"]
-    return out
+    n, seconds = timed(parse)
+    return n / seconds
 
 
 def child_convert(src: str, dst: str) -> None:
@@ -90,15 +74,8 @@ def child_baseline() -> None:
     print(json.dumps(peak_rss_mib()))
 
 
-def run_child(*args: str) -> dict:
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), *args], check=True, capture_output=True,
-                         text=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", help="write results here")
+    parser = script_parser(__doc__)
     parser.add_argument("--tokens", type=int, default=3_500_000, help="corpus tokens (default ~5 M trie nodes)")
     parser.add_argument("--vocab", type=int, default=50_000)
     parser.add_argument("--layouts", default="dfs,random", help="node orders to write (comma separated)")
@@ -123,11 +100,10 @@ def main(argv=None) -> int:
 
     work = args.workdir or tempfile.mkdtemp(prefix="bench-trie-")
     os.makedirs(work, exist_ok=True)
-    baseline = run_child("--child-baseline")["peak_mib"]
+    baseline = run_child(__file__, "--child-baseline")["peak_mib"]
     results = {"settings": {"tokens": args.tokens, "vocab": args.vocab, "order": 3, "seed": args.seed,
                             "memory_measure": "peak RSS (VmHWM) of a fresh child process, MiB"},
-               "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "numpy": np.__version__,
-                           "torch": torch.__version__, "python": sys.version.split()[0]},
+               "machine": machine_info(numpy=np.__version__),
                "baseline_peak_mib": baseline, "runs": []}
     plan = [(args.tokens, layout) for layout in args.layouts.split(",") if layout]
     if args.scale_tokens:
@@ -137,17 +113,14 @@ def main(argv=None) -> int:
         for tokens, layout in plan:
             if tokens != model_tokens:
                 model = None
-                t0 = time.perf_counter()
-                model = NGramModel.build(synthetic_corpus(tokens, args.vocab, args.seed), order=3,
-                                         vocab_size=args.vocab)
+                model, build_s = timed(lambda: NGramModel.build(synthetic_corpus(tokens, args.vocab, args.seed),
+                                                                order=3, vocab_size=args.vocab))
                 model_tokens = tokens
                 print(f"corpus: {tokens:,} tokens, vocab {args.vocab:,} -> {model.num_nodes:,} trie nodes "
-                      f"(NGramModel.build {time.perf_counter() - t0:.1f} s)")
+                      f"(NGramModel.build {build_s:.1f} s)")
             src, dst = os.path.join(work, f"{layout}.trie"), os.path.join(work, f"{layout}.safetensors")
-            t0 = time.perf_counter()
-            write_official_trie(src, model, node_order=layout, seed=args.seed)
-            write_s = time.perf_counter() - t0
-            stats = run_child("--child-convert", src, dst)
+            _, write_s = timed(write_official_trie, src, model, node_order=layout, seed=args.seed)
+            stats = run_child(__file__, "--child-convert", src, dst)
             converted = NGramModel.load(dst)
             identical = (torch.equal(converted.keys, model.keys) and torch.equal(converted.counts, model.counts)
                          and converted.vocab_bound == model.vocab_bound)

@@ -16,18 +16,16 @@ for prompt lookup and DART alike, so the agreement is reported.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
-import time
 import warnings
 
 import torch
 
 import dart_hf
-from dart_bench import DATA_DIR, PROMPT_LOOKUP_TOKENS, first_difference, load_prompt_sets
-from dart_hf.calibration import device_name, encode_prompts, tree_choice
-from results_io import write_results
+from dart_bench import (DATA_DIR, PROMPT_LOOKUP_TOKENS, Clock, encode_prompts, first_difference, load_prompt_sets,
+                        script_parser, timed, write_results)
+from dart_hf.calibration import device_name, tree_choice
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 METHODS = {"plain": dict(dart_head=False), "prompt_lookup": dict(dart_head=False,
@@ -39,27 +37,25 @@ def run_dtype(dtype: str, prompts: list[torch.Tensor], max_new_tokens: int, repe
     """One dtype: the head attached, every prompt through every method `repeats` times (methods back to back)."""
     model, _, head = dart_hf.load_default(target_dtype=DTYPES[dtype])
     dart_hf.enable(model, head)
-    t0 = time.perf_counter()
-    choice = tree_choice(model, head)  # what the first DART call does (measured unless cached)
-    first_call_s = time.perf_counter() - t0
+    choice, first_call_s = timed(tree_choice, model, head)  # what the first DART call does (measured unless cached)
     common = dict(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False)
     with warnings.catch_warnings(record=True) as fallbacks:
         warnings.simplefilter("always")
         for kwargs in METHODS.values():  # warm-up
             model.generate(prompts[0], attention_mask=torch.ones_like(prompts[0]), **common, **kwargs)
-        seconds = {m: [0.0] * repeats for m in METHODS}
+        clock = Clock()  # (method, repeat) -> the seconds of each prompt
         outputs, taus = {m: [] for m in METHODS}, []
         for r in range(repeats):
             for ids in prompts:
                 for method, kwargs in METHODS.items():
-                    t = time.perf_counter()
-                    out = model.generate(ids, attention_mask=torch.ones_like(ids), **common, **kwargs)
-                    seconds[method][r] += time.perf_counter() - t
+                    out = clock.run((method, r), model.generate, ids, attention_mask=torch.ones_like(ids), **common,
+                                    **kwargs)
                     if r == 0:
                         outputs[method].append(out[0, ids.shape[1]:])
                         if method == "dart" and model.dart_stats is not None:
                             taus.append(model.dart_stats.tau)
     tokens = max_new_tokens * len(prompts)
+    seconds = {m: [clock.total((m, r)) for r in range(repeats)] for m in METHODS}
     rate = {m: statistics.median(tokens / s for s in seconds[m]) for m in METHODS}
     ratio = {m: statistics.median(seconds["plain"][r] / seconds[m][r] for r in range(repeats)) for m in METHODS}
     parted = {m: [first_difference(out, ref) for out, ref in zip(outputs[m], outputs["plain"])]
@@ -80,13 +76,11 @@ def median_parting(parted: list, max_new_tokens: int) -> float:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = script_parser(__doc__, threads=2)
     parser.add_argument("--dtypes", nargs="+", choices=tuple(DTYPES), default=list(DTYPES))
     parser.add_argument("--per-set", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--json", help="write results here")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     _, tokenizer = dart_hf.load_smollm2()

@@ -21,42 +21,23 @@ head bfloat16: `dart_hf.default.default_head_dtype`): `head_dtype_control_tokens
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 import statistics
 import sys
-import time
 
 import torch
 
 import dart_hf
+from dart_bench import chat_ids, decoding_tree, prompt_set, script_parser, timed_generate, write_results
+from dart_bench.kernel_control import one_row_as_two
 from dart_runtime.matmul import few_row_linears
-from kernel_control import one_row_as_two
-from dart_bench import DATA_DIR, decoding_tree, load_prompt_sets
-from results_io import write_results
-
-
-
-def prompt_sets(mt_bench: int, humaneval: int) -> dict[str, list[str]]:
-    mt = load_prompt_sets(DATA_DIR, mt_bench, ["mt_bench"])["mt_bench"]
-    return {"mt_bench": mt, "humaneval": load_prompt_sets(DATA_DIR, humaneval, ["humaneval"])["humaneval"]}
-
-
-def timed_generate(model, ids, max_new_tokens, **kwargs):
-    t0 = time.perf_counter()
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-                         **kwargs)
-    return out, time.perf_counter() - t0
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", help="write results here")
+    parser = script_parser(__doc__, threads=1)
     parser.add_argument("--mt-bench", type=int, default=80, help="MT-Bench questions (first turn), default 80")
     parser.add_argument("--humaneval", type=int, default=40, help="first HumanEval prompts, default 40")
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--head", metavar="DIR", help="another DART head for SmolLM2 (default: the shipped one)")
     parser.add_argument("--remain-total", type=int, help="draft nodes per tree (default: chosen for this machine)")
     parser.add_argument("--kernel-control", action="store_true",
@@ -75,16 +56,17 @@ def main(argv=None) -> int:
                "tree_nodes": tree.remain_total,
                "head_dtype": str(head.fc.weight.dtype).replace("torch.", ""),
                "head_dtype_control": args.head_dtype_control, "sets": {}}
-    for name, prompts in prompt_sets(args.mt_bench, args.humaneval).items():
+    greedy = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
+    for name, count in (("mt_bench", args.mt_bench), ("humaneval", args.humaneval)):
+        prompts = prompt_set(name, count)
         plain_tokens = dart_tokens = control_tokens = 0
         plain_time = dart_time = control_time = 0.0
         accepted, identical, control_identical = [], 0, 0
         other = {"tokens": 0, "time": 0.0, "accepted": [], "identical": 0}
         for text in prompts:
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                return_tensors="pt", return_dict=True)["input_ids"]
-            plain, t_plain = timed_generate(model, ids, args.max_new_tokens)
-            dart, t_dart = timed_generate(model, ids, args.max_new_tokens, dart_head=head, dart_tree_config=tree)
+            ids = chat_ids(tokenizer, text)
+            plain, t_plain = timed_generate(model, ids, **greedy)
+            dart, t_dart = timed_generate(model, ids, **greedy, dart_head=head, dart_tree_config=tree)
             identical += int(torch.equal(plain, dart))
             plain_tokens += plain.shape[1] - ids.shape[1]
             dart_tokens += dart.shape[1] - ids.shape[1]
@@ -92,12 +74,12 @@ def main(argv=None) -> int:
             accepted += model.dart_stats.accepted_lengths
             if args.kernel_control:
                 with few_row_linears(model, product=one_row_as_two):
-                    control, t_control = timed_generate(model, ids, args.max_new_tokens)
+                    control, t_control = timed_generate(model, ids, **greedy)
                 control_identical += int(torch.equal(plain, control))
                 control_tokens += control.shape[1] - ids.shape[1]
                 control_time += t_control
             if other_head is not None:
-                out, t_other = timed_generate(model, ids, args.max_new_tokens, dart_head=other_head, dart_tree_config=tree)
+                out, t_other = timed_generate(model, ids, **greedy, dart_head=other_head, dart_tree_config=tree)
                 other["identical"] += int(torch.equal(plain, out))
                 other["tokens"] += out.shape[1] - ids.shape[1]
                 other["time"] += t_other

@@ -13,21 +13,18 @@ benchmarks' kernel control for plain decoding.
 
 from __future__ import annotations
 
-import argparse
-import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
 import dart_hf
-from dart_runtime.matmul import few_row_linear, few_row_linears, transposed_linear
+from dart_bench import interleave, script_parser, write_results
+from dart_bench.kernel_control import one_row_as_two
 from dart_hf.calibration import device_name
 from dart_hf.target import keep_accepted_path, tree_attention_mask
-from kernel_control import one_row_as_two
-from results_io import write_results
+from dart_runtime.matmul import few_row_linear, few_row_linears, transposed_linear
 
 SIZES = (1, 2, 3, 4, 6, 8, 16, 32, 64)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -76,30 +73,27 @@ def measure(model, sizes, repeats: int, named_products: dict) -> dict:
     past = torch.ones(1, 256, dtype=torch.bool)
     masks = {k: tree_attention_mask(torch.ones(1, k, k, dtype=torch.bool).tril(), past, model.dtype).to(device)
              for k in sizes}
-    times = {name: {k: [] for k in sizes} for name in named_products}
+    positions = {k: torch.arange(256, 256 + k)[None] for k in sizes}
+
+    def forward(product, k):
+        with few_row_linears(model, product=product):  # the loop's tree forward, with `product`
+            model(input_ids=block[:, :k], position_ids=positions[k], attention_mask=masks[k],
+                  past_key_values=cache, use_cache=True, output_hidden_states=[2, 15, 27])
+
+    runs = {(name, k): (lambda product=product, k=k: forward(product, k))
+            for name, product in named_products.items() for k in sizes}
     with torch.no_grad():
         model(input_ids=context, past_key_values=cache, use_cache=True)
-        for i in range(repeats + 1):
-            for name, product in named_products.items():
-                for k in sizes:
-                    positions = torch.arange(256, 256 + k)[None]
-                    t0 = time.perf_counter()
-                    with few_row_linears(model, product=product):  # the loop's tree forward, with `product`
-                        model(input_ids=block[:, :k], position_ids=positions, attention_mask=masks[k],
-                              past_key_values=cache, use_cache=True, output_hidden_states=[2, 15, 27])
-                    elapsed = time.perf_counter() - t0
-                    keep_accepted_path(cache, 256, none)
-                    if i:
-                        times[name][k].append(elapsed)
-    return {name: {k: statistics.median(v) * 1e3 for k, v in row.items()} for name, row in times.items()}
+        clock = interleave(runs, repeats, warmup=1, after=lambda *_: keep_accepted_path(cache, 256, none))
+    medians = clock.medians(scale=1e3)
+    return {name: {k: medians[(name, k)] for k in sizes} for name in named_products}
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = script_parser(__doc__)
     parser.add_argument("--threads", type=int, nargs="+", default=[2])
     parser.add_argument("--dtypes", nargs="+", choices=tuple(DTYPES), default=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=9)
-    parser.add_argument("--json", help="write results here")
     args = parser.parse_args(argv)
     model, _ = dart_hf.load_smollm2()
     results = {"sizes": list(SIZES), "repeats": args.repeats, "machine": device_name(torch.device("cpu")),

@@ -14,18 +14,15 @@ block once (median of 100), the per-step cost the loop saves by entering them on
 
 from __future__ import annotations
 
-import argparse
-import statistics
 import sys
-import time
 
 import torch
 from transformers import DynamicCache
 
 import dart_hf
-from dart_runtime.matmul import few_row_linears
+from dart_bench import Clock, median_seconds, script_parser, write_results
 from dart_hf.target import grouped_attention, keep_accepted_path, tree_attention_mask, tree_forward, tree_forwards
-from results_io import write_results
+from dart_runtime.matmul import few_row_linears
 
 TAPS = (2, 15, 27)
 
@@ -43,23 +40,17 @@ def measure(model, context: int, nodes: int, repeats: int) -> dict:
     none = torch.zeros(1, 0, dtype=torch.long, device=device)
     cache = DynamicCache(config=model.config)
     kernels = {"repeat_kv": lambda: few_row_linears(model), "grouped": lambda: tree_forwards(model)}
-    times = {name: [] for name in kernels}
+    clock = Clock(sync=device)
     logits = {}
     with torch.no_grad():
         model(input_ids=prompt, past_key_values=cache, use_cache=True)
-        for i in range(repeats + 1):
+        for i in range(repeats + 1):  # the two alternate forward by forward, after a warm-up pair
             for name, enter in kernels.items():
                 with enter():  # entered outside the clock, as the loop enters it once per call
-                    t0 = time.perf_counter()
-                    out = tree_forward(model, block, positions, mask, cache, TAPS)
-                    if device.type == "cuda":
-                        torch.cuda.synchronize()
-                    elapsed = time.perf_counter() - t0
+                    out = clock.run(name, tree_forward, model, block, positions, mask, cache, TAPS, keep=i > 0)
                 keep_accepted_path(cache, context, none)
                 logits[name] = out.logits
-                if i:
-                    times[name].append(elapsed * 1e3)
-    row = {name: statistics.median(v) for name, v in times.items()}
+    row = clock.medians(scale=1e3)
     row["saved_fraction"] = 1 - row["grouped"] / row["repeat_kv"]
     row["max_abs_logit_diff"] = float((logits["grouped"] - logits["repeat_kv"]).abs().max())
     return row
@@ -67,22 +58,19 @@ def measure(model, context: int, nodes: int, repeats: int) -> dict:
 
 def entry_ms(model, enter, repeats: int = 100) -> float:
     """Median ms to enter and leave the block `enter()`."""
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+
+    def enter_and_leave():
         with enter():
             pass
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+
+    return median_seconds(enter_and_leave, repeats, warmup=0) * 1e3
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = script_parser(__doc__, threads=2)
     parser.add_argument("--contexts", type=int, nargs="+", default=[150, 600, 1500])
     parser.add_argument("--nodes", type=int, nargs="+", default=[4, 61])
     parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--json", help="write results here")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     model, _ = dart_hf.load_smollm2()

@@ -14,18 +14,14 @@ the continuations must be identical (exit status 1 otherwise).
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 import statistics
 import sys
-import time
 
 import torch
 
 import dart_hf
-from dart_bench import decoding_tree, read_prompt_rows
-from results_io import write_results
+from dart_bench import decoding_tree, gsm8k_few_shot, read_prompt_rows, script_parser, timed, write_results
 
 UNTIL = ["Question:", "\n\n", "<|im_end|>"]
 
@@ -36,8 +32,7 @@ def gsm8k_contexts(questions: int, shots: int) -> list[str]:
     if shots + questions > len(rows):
         raise ValueError(f"{shots} shots and {questions} questions need {shots + questions} GSM8K rows; "
                          f"the shipped slice has {len(rows)}")
-    prefix = "".join(f"Question: {r['question']}\nAnswer: {r['answer']}\n\n" for r in rows[:shots])
-    return [f"{prefix}Question: {r['question']}\nAnswer:" for r in rows[len(rows) - questions :]]
+    return [gsm8k_few_shot(rows[:shots], r) for r in rows[len(rows) - questions :]]
 
 
 def requests(contexts: list[str], max_gen_toks: int):
@@ -48,23 +43,15 @@ def requests(contexts: list[str], max_gen_toks: int):
             for i, ctx in enumerate(contexts)]
 
 
-def timed(harness, reqs) -> tuple[float, list[str]]:
-    t0 = time.perf_counter()
-    out = harness.generate_until(reqs, disable_tqdm=True)
-    return time.perf_counter() - t0, out
-
-
 def main(argv=None) -> int:
     from lm_eval.models.huggingface import HFLM
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", help="write results here")
+    parser = script_parser(__doc__, threads=2)
     parser.add_argument("--questions", type=int, default=16)
     parser.add_argument("--shots", default="0,5", help="comma-separated shot counts (default 0,5)")
     parser.add_argument("--batch-sizes", default="1,4")
     parser.add_argument("--max-gen-toks", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     model, tokenizer, head = dart_hf.load_default()  # `model` has no head attached: plain generate()
@@ -79,12 +66,12 @@ def main(argv=None) -> int:
         prompt_tokens = statistics.mean(len(tokenizer(c).input_ids) for c in contexts)
         for batch in (int(b) for b in args.batch_sizes.split(",")):
             plain_s, dart_s, identical = [], [], True
-            for _ in range(args.repeats):
-                seconds, want = timed(HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch),
-                                      requests(contexts, args.max_gen_toks))
+            for _ in range(args.repeats):  # plain and DART alternate
+                plain = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch)
+                want, seconds = timed(plain.generate_until, requests(contexts, args.max_gen_toks), disable_tqdm=True)
                 plain_s.append(seconds)
-                seconds, got = timed(HFLM(pretrained=attached, tokenizer=tokenizer, batch_size=batch),
-                                     requests(contexts, args.max_gen_toks))
+                dart = HFLM(pretrained=attached, tokenizer=tokenizer, batch_size=batch)
+                got, seconds = timed(dart.generate_until, requests(contexts, args.max_gen_toks), disable_tqdm=True)
                 dart_s.append(seconds)
                 identical &= got == want
             row = {"shots": shots, "batch_size": batch, "prompt_tokens": prompt_tokens,

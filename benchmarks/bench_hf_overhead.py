@@ -10,40 +10,33 @@ same number of tokens on a cache of the same length (causal mask, no hidden stat
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
-import time
 
 import torch
 from transformers import DynamicCache
 
 import dart_hf
-from dart_core import DartConfig, DartHead, TreeConfig
+from dart_bench import DEMO_PROMPT, Clock, chat_ids, script_parser, write_results
 from dart_bench.replay import ReplayHead
-from results_io import write_results
-
-PROMPT = "Explain in a few sentences how a hash table works and when it is a bad choice."
+from dart_core import DartConfig, DartHead, TreeConfig
 
 
 def plain_forward_ms(model, prompt_ids, extra_tokens: int, repeats: int) -> float:
     """Median ms of one forward over `extra_tokens` new tokens after a cache holding the prompt."""
-    times = []
+    clock = Clock()
     for _ in range(repeats):
         cache = DynamicCache(config=model.config)
         with torch.no_grad():
             model(prompt_ids, past_key_values=cache, use_cache=True)
             block = prompt_ids[:, -extra_tokens:] if extra_tokens <= prompt_ids.shape[1] else \
                 prompt_ids[:, :1].repeat(1, extra_tokens)
-            t0 = time.perf_counter()
-            model(block, past_key_values=cache, use_cache=True)
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+            clock.run("forward", model, block, past_key_values=cache, use_cache=True)
+    return clock.median("forward") * 1e3
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", help="write results here")
+    parser = script_parser(__doc__)
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--tree-sizes", default="8,24,60", help="remain_total values (draft nodes per tree)")
     parser.add_argument("--repeats", type=int, default=3)
@@ -53,8 +46,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     model, tokenizer = dart_hf.load_smollm2()
     dart_hf.enable(model)
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
-                                        return_tensors="pt", return_dict=True)["input_ids"]
+    ids = chat_ids(tokenizer, DEMO_PROMPT)
     mask = torch.ones_like(ids)
     reference = model.generate(ids, attention_mask=mask, max_new_tokens=args.new_tokens + 16, do_sample=False,
                                eos_token_id=None)[0]

@@ -11,17 +11,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
-import subprocess
 import sys
 
-from dart_bench import read_prompt_rows
-from results_io import write_results
-
+from dart_bench import read_prompt_rows, script_parser, write_results
+from dart_bench.memory import peak_rss_mib, run_child
 
 
 def peak_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+    return peak_rss_mib()["ru_maxrss_mib"]
 
 
 def measure(length: int, method: str, new_tokens: int) -> dict:
@@ -46,8 +43,7 @@ def measure(length: int, method: str, new_tokens: int) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", help="write results here")
+    parser = script_parser(__doc__)
     parser.add_argument("--prompt-tokens", default="1000,8180")
     parser.add_argument("--new-tokens", type=int, default=8)
     parser.add_argument("--one", nargs=2, metavar=("LENGTH", "METHOD"), help=argparse.SUPPRESS)
@@ -59,9 +55,7 @@ def main(argv=None) -> int:
     print("prompt tokens  method  after loading MiB  peak MiB  the call's growth MiB")
     for length in (int(x) for x in args.prompt_tokens.split(",")):
         for method in ("plain", "dart"):
-            out = subprocess.run([sys.executable, __file__, "--one", str(length), method, "--new-tokens",
-                                  str(args.new_tokens)], capture_output=True, text=True, check=True)
-            row = json.loads(out.stdout.strip().splitlines()[-1])
+            row = run_child(__file__, "--one", str(length), method, "--new-tokens", str(args.new_tokens))
             rows.append(row)
             print(f"{length:13d} {method:>7s} {row['loaded_mib']:17.0f} {row['peak_mib']:9.0f} {row['call_mib']:22.0f}")
     if args.json:

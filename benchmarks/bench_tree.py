@@ -8,35 +8,20 @@ median of repeated runs with one torch thread (the decoding loop runs the search
 
 from __future__ import annotations
 
-import argparse
-import os
-import platform
 import statistics
 import sys
-import time
 
 import torch
 
+from dart_bench import machine_info, repeat_seconds, script_parser, write_results
 from dart_core import NGramModel, TreeConfig, build_draft_trees, topk_draft_tokens
 from dart_core.reference import DictTrie, reference_tree
-from results_io import write_results
-
-
-def timed(fn, repeats: int) -> list[float]:
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return out
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", help="write results here")
+    parser = script_parser(__doc__, threads=1)
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--reference-repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
@@ -49,8 +34,7 @@ def main(argv=None) -> int:
                             "levels": levels, "ngram_order": ngram.order, "ngram_nodes": ngram.num_nodes,
                             "threads": args.threads, "repeats": args.repeats},
                "ngram_bytes_per_node": ngram.nbytes / ngram.num_nodes,
-               "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
-                           "torch": torch.__version__, "python": sys.version.split()[0]},
+               "machine": machine_info(),
                "batches": {}}
 
     for batch in (1, 32):
@@ -61,9 +45,7 @@ def main(argv=None) -> int:
         def vectorised():
             build_draft_trees(tokens, probs, contexts, ngram, cfg)
 
-        for _ in range(10):
-            vectorised()
-        fast = timed(vectorised, args.repeats)
+        fast = repeat_seconds(vectorised, args.repeats, warmup=10)
         results["batches"][str(batch)] = {"vectorised_ms_median": statistics.median(fast) * 1e3,
                                           "vectorised_ms_per_tree": statistics.median(fast) * 1e3 / batch}
         print(f"B={batch:2d}: vectorised {statistics.median(fast) * 1e3:7.3f} ms per call "
@@ -72,7 +54,7 @@ def main(argv=None) -> int:
     trie = DictTrie([corpus.tolist()], order=3)
     tokens, probs = topk_draft_tokens(torch.randn(levels, vocab, generator=gen) * 3, cfg.topk)
     context = corpus[:3].tolist()
-    slow = timed(lambda: reference_tree(tokens, probs, context, trie, cfg), args.reference_repeats)
+    slow = repeat_seconds(lambda: reference_tree(tokens, probs, context, trie, cfg), args.reference_repeats)
     results["reference_ms_per_tree"] = statistics.median(slow) * 1e3
     results["speedup_b1_vs_reference"] = results["reference_ms_per_tree"] / \
         results["batches"]["1"]["vectorised_ms_median"]

@@ -13,7 +13,6 @@ settings. Measures acceptance only: tokens/s on a CPU come from `bench_default_h
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import sys
@@ -22,11 +21,10 @@ from pathlib import Path
 import torch
 
 import dart_hf
-from dart_bench import DATA_DIR, load_prompt_sets
+from dart_bench import encode_prompts, prompt_set, script_parser, write_results
 from dart_core import TreeConfig
 from dart_core.ngram import NGramModel
-from dart_hf.calibration import acceptance_run, base_tree_config, encode_prompts
-from results_io import write_results
+from dart_hf.calibration import acceptance_run, base_tree_config
 
 TREE_SIZES = (2, 4, 8, 16, 60)
 # requests written for this script (not from any benchmark set)
@@ -55,14 +53,12 @@ def parse_settings(text: str) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", help="write results here")
+    parser = script_parser(__doc__, threads=1)
     parser.add_argument("--settings", default="[{}]", help="JSON list of TreeConfig overrides (default: '[{}]')")
     parser.add_argument("--ngram", nargs="*", default=[], metavar="FILE", help="n-gram files to try instead")
     parser.add_argument("--gsm8k", type=int, default=6, help="held-out GSM8K questions, default 6")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--max-nodes", type=int, default=60, help="tree size of the runs, default 60")
-    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--head", metavar="DIR", help="another DART head for SmolLM2 (default: the shipped one)")
     args = parser.parse_args(argv)
     try:
@@ -75,7 +71,7 @@ def main(argv=None) -> int:
         parser.error(f"n-gram file(s) not found: {', '.join(missing)}")
     torch.set_num_threads(args.threads)
     model, tokenizer, head = dart_hf.load_default(args.head)
-    questions = load_prompt_sets(DATA_DIR, args.gsm8k, ["gsm8k"])["gsm8k"]
+    questions = prompt_set("gsm8k", args.gsm8k)
     prompts = encode_prompts(tokenizer, list(questions) + list(OWN_PROMPTS))
     base = base_tree_config(model, head)
     # (what the row says, TreeConfig overrides, n-gram): every n-gram file is loaded (and checked) before any run

@@ -49,29 +49,19 @@ setting measured on the same prompts.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import hashlib
-import json
-import os
-import platform
-import subprocess
 import sys
-import time
 from pathlib import Path
-from typing import Optional
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from results_io import write_results  # noqa: E402
-
-from dart_bench import first_difference  # noqa: E402
-from dart_runtime.sync import synchronize  # noqa: E402
-from dart_hf.loop import tau_of  # noqa: E402
+from dart_bench import (DATA_DIR, Progress, chat_ids, environment, first_difference, prompts_from_file,
+                        script_parser, timed_generate, write_results)
+from dart_hf.loop import tau_of
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_PROMPT_FILE = REPO / "dart_bench" / "data" / "mt_bench_questions.jsonl"
+DEFAULT_PROMPT_FILE = DATA_DIR / "mt_bench_questions.jsonl"
 PHASES = ("head", "tree", "mask", "target", "accept", "compact", "verify")
 # Token-for-token identity with plain greedy is required in float32 (exit status 1 otherwise). In bfloat16 / float16
 # a multi-token forward (the tree) rounds differently from a one-token forward, so greedy outputs drift apart at
@@ -82,68 +72,18 @@ OVERHEAD_GOAL = 0.15  # overhead per step as a fraction of a plain step, H100/H2
 WARMUP_TOKENS = 16
 
 
-# ---- prompts ------------------------------------------------------------------------------------------------------
 def first_prompts(path: Path, count: int) -> list[str]:
-    """The first `count` prompts of a JSON-lines file: MT-Bench rows (first of "turns"), "prompt" / "text" rows or
-    plain JSON strings."""
-    if not path.is_file():
-        raise FileNotFoundError(f"prompt file not found: {path} (pass --prompt-file FILE: JSON lines of MT-Bench "
-                                "questions, or rows with a \"prompt\" or \"text\" string)")
-    prompts = []
-    with open(path, encoding="utf-8") as fh:
-        for number, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            if isinstance(row, str):
-                prompts.append(row)
-            elif isinstance(row, dict) and isinstance(row.get("turns"), list) and row["turns"]:
-                prompts.append(str(row["turns"][0]))
-            elif isinstance(row, dict) and isinstance(row.get("prompt", row.get("text")), str):
-                prompts.append(row.get("prompt", row.get("text")))
-            else:
-                raise ValueError(f"{path}:{number}: expected a JSON string or an object with \"turns\", \"prompt\" "
-                                 "or \"text\"")
-            if len(prompts) == count:
-                break
-    if len(prompts) < count:
-        raise ValueError(f"{path} holds {len(prompts)} prompts, fewer than the {count} asked for")
-    return prompts
+    """The first `count` prompts of a JSON-lines file (`dart_bench.prompts_from_file`)."""
+    return prompts_from_file(path, count, missing_hint=" (pass --prompt-file FILE: JSON lines of MT-Bench "
+                                                       "questions, or rows with a \"prompt\" or \"text\" string)")
 
 
-def encode(tokenizer, text: str, device: torch.device) -> torch.Tensor:
-    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                         return_tensors="pt", return_dict=True)["input_ids"].to(device)
-
-
-# ---- timing -------------------------------------------------------------------------------------------------------
-def sync(device: torch.device) -> None:
-    synchronize(device)
-
-
-def timed_generate(model, ids: torch.Tensor, max_new_tokens: int, **kwargs) -> tuple[torch.Tensor, float]:
-    """(output ids [1, L], wall seconds), the device synchronised before and after."""
-    sync(ids.device)
-    t0 = time.perf_counter()
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-                         **kwargs)
-    sync(ids.device)
-    return out, time.perf_counter() - t0
+def greedy(model, ids: torch.Tensor, max_new_tokens: int, **kwargs) -> tuple[torch.Tensor, float]:
+    """A greedy generate() call: (output ids [1, L], wall seconds), the device synchronised before and after."""
+    return timed_generate(model, ids, max_new_tokens=max_new_tokens, do_sample=False, sync=ids.device, **kwargs)
 
 
 # ---- one dtype ----------------------------------------------------------------------------------------------------
-class Progress:
-    def __init__(self) -> None:
-        self.t0 = time.perf_counter()
-
-    @property
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.t0
-
-    def __call__(self, message: str) -> None:
-        print(f"[{self.elapsed:6.1f}s] {message}", flush=True)
-
-
 def load(device: torch.device, dtype: torch.dtype):
     """(model, tokenizer, head) on `device` in `dtype`: the shipped default, its head's own tree settings."""
     from dart_hf.default import load_default
@@ -161,8 +101,8 @@ def load(device: torch.device, dtype: torch.dtype):
 
 def plain_run(model, ids: torch.Tensor, max_new_tokens: int, repeat: int, prompt: int) -> tuple[dict, torch.Tensor]:
     """Plain greedy decoding of one prompt: (its row, its output)."""
-    _, one = timed_generate(model, ids, 1)  # setup + prefill + the first token
-    out, t = timed_generate(model, ids, max_new_tokens)
+    _, one = greedy(model, ids, 1)  # setup + prefill + the first token
+    out, t = greedy(model, ids, max_new_tokens)
     row = {"repeat": repeat, "prompt": prompt, "prompt_tokens": int(ids.shape[1]), "new_tokens": out.shape[1] -
            ids.shape[1], "wall_s": t, "one_token_wall_s": one}
     return row, out
@@ -172,7 +112,7 @@ def dart_run(model, head, tree_config, graph: bool, ids: torch.Tensor, plain_out
              repeat: int, prompt: int, synced: bool = True) -> dict:
     """DART with `tree_config` (and `dart_cuda_graph=graph`) on one prompt, compared with plain's output: its row
     (per-phase seconds when `synced`)."""
-    out, t = timed_generate(model, ids, max_new_tokens, dart_head=head, dart_tree_config=tree_config,
+    out, t = greedy(model, ids, max_new_tokens, dart_head=head, dart_tree_config=tree_config,
                             dart_sync_timing=synced, dart_cuda_graph=graph)
     stats = model.dart_stats
     mismatch = first_difference(out[0, ids.shape[1]:], plain_out[0, ids.shape[1]:])
@@ -261,13 +201,13 @@ def run_dtype(dtype_name: str, args, prompts: list[str], progress: Progress, res
     base = tree_settings(head, model.generation_config)
     configs = {label: (dataclasses.replace(base, remain_total=n), graph) for label, (n, graph) in runs_of(args)}
     entry["tree_config"] = base.to_dict()
-    encoded = [encode(tokenizer, text, device) for text in prompts]
+    encoded = [chat_ids(tokenizer, text, device) for text in prompts]
     warm = encoded[0]
-    timed_generate(model, warm, WARMUP_TOKENS)
+    greedy(model, warm, WARMUP_TOKENS)
     for config, graph in configs.values():  # also captures the CUDA graphs (kept with the head)
-        timed_generate(model, warm, WARMUP_TOKENS, dart_head=head, dart_tree_config=config, dart_sync_timing=True,
+        greedy(model, warm, WARMUP_TOKENS, dart_head=head, dart_tree_config=config, dart_sync_timing=True,
                        dart_cuda_graph=graph)
-        timed_generate(model, warm, WARMUP_TOKENS, dart_head=head, dart_tree_config=config, dart_cuda_graph=graph)
+        greedy(model, warm, WARMUP_TOKENS, dart_head=head, dart_tree_config=config, dart_cuda_graph=graph)
     progress(f"{dtype_name}: warmed up; plain and DART {', '.join(configs)}, prompt by prompt")
     plain_rows = []
     rows = {label: [] for label in configs}
@@ -314,36 +254,6 @@ def run_dtype(dtype_name: str, args, prompts: list[str], progress: Progress, res
 
 
 # ---- report -------------------------------------------------------------------------------------------------------
-def environment(device: torch.device) -> dict:
-    import transformers
-
-    env = {"device": str(device), "torch": torch.__version__, "transformers": transformers.__version__,
-           "python": platform.python_version(), "platform": platform.platform(), "commit": git_commit(),
-           "torch_threads": torch.get_num_threads()}
-    if device.type == "cuda":
-        env.update(device_name=torch.cuda.get_device_name(device), cuda=torch.version.cuda,
-                   device_capability=".".join(map(str, torch.cuda.get_device_capability(device))))
-    else:
-        env["device_name"] = platform.processor() or platform.machine() or device.type
-    return env
-
-
-def git_commit() -> Optional[str]:
-    """$DART_SPEC_COMMIT when set (a copied tree's .git can be stale), else HEAD of the checkout (with "+dirty"
-    when tracked files differ), else None."""
-    if os.environ.get("DART_SPEC_COMMIT"):
-        return os.environ["DART_SPEC_COMMIT"]
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
-        if head.returncode == 0:
-            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                                   capture_output=True, text=True, timeout=10).stdout.strip()
-            return head.stdout.strip() + ("+dirty" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return None
-
-
 def table(result: dict) -> str:
     lines = [f"{result['environment']['device_name']}: {result['settings']['prompts']} prompts x "
              f"{result['settings']['max_new_tokens']} tokens",
@@ -367,7 +277,7 @@ def table(result: dict) -> str:
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = script_parser(__doc__, json=False)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="cuda (default when available), cuda:N or cpu")
     parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated (default float32,bfloat16)")
@@ -419,7 +329,7 @@ def main(argv=None) -> int:
         raise SystemExit("gpu_check: --device cuda but torch sees no CUDA device")
     progress = Progress()
     prompts = first_prompts(args.prompt_file, args.prompts)
-    result = {"script": "benchmarks/gpu_check.py", "complete": False, "environment": environment(device),
+    result = {"script": "benchmarks/gpu_check.py", "complete": False, "environment": environment(device, REPO),
               "settings": {"dtypes": args.dtypes, "nodes": args.nodes, "prompts": args.prompts,
                            "prompt_file": args.prompt_file.name,
                            "prompts_sha256": hashlib.sha256("\n".join(prompts).encode()).hexdigest(),

@@ -20,15 +20,12 @@ e.g. a head's measured acceptance: this script measures costs, not acceptance.
 
 from __future__ import annotations
 
-import argparse
-import statistics
 import sys
-import time
 
 import torch
 
+from dart_bench import median_seconds, script_parser, write_results
 from dart_core import DartConfig, DartHead, NGramModel, TreeConfig, build_draft_trees, topk_draft_tokens
-from results_io import write_results
 
 PRESETS = {
     # Qwen3-8B (config.json of Qwen/Qwen3-8B)
@@ -91,23 +88,6 @@ def build_head(model, draft_length: int, draft_vocab: int) -> DartHead:
     return head
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def median_seconds(fn, repeats: int, device: torch.device) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 @torch.no_grad()
 def head_latency(head: DartHead, context: int, rows: int, repeats: int) -> float:
     device = head.fc.weight.device
@@ -124,7 +104,7 @@ def head_latency(head: DartHead, context: int, rows: int, repeats: int) -> float
         head(new_aux, new_ids, cache=cache)
         cache.lengths = full.clone()  # forget the rows just added
 
-    return median_seconds(step, repeats, device)
+    return median_seconds(step, repeats, warmup=1, sync=device)
 
 
 def tree_latency(vocab: int, levels: int, draft_vocab: int, nodes: int, batch: int, device: torch.device,
@@ -138,7 +118,8 @@ def tree_latency(vocab: int, levels: int, draft_vocab: int, nodes: int, batch: i
     logits = torch.randn(batch, levels, draft_vocab, generator=gen) * 3
     tokens, probs = topk_draft_tokens(logits.to(device), cfg.topk)
     contexts = corpus[: 2 * batch].view(batch, 2).to(device)
-    return median_seconds(lambda: build_draft_trees(tokens, probs, contexts, ngram, cfg), repeats, device)
+    return median_seconds(lambda: build_draft_trees(tokens, probs, contexts, ngram, cfg), repeats, warmup=1,
+                          sync=device)
 
 
 def project(latency: dict[int, float], plain_s: float, head_s: float, tree_s: float,
@@ -153,7 +134,7 @@ def project(latency: dict[int, float], plain_s: float, head_s: float, tree_s: fl
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = script_parser(__doc__)
     parser.add_argument("--arch", choices=sorted(PRESETS), default="qwen3-8b")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"),
@@ -168,7 +149,6 @@ def main(argv=None) -> int:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32],
                         help="trees per batched search on the device (default 1 8 32; 1 is always timed)")
     parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--json", help="write results here")
     args = parser.parse_args(argv)
     taus = parse_tau(args.tau)
     device = torch.device(args.device)

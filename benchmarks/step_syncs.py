@@ -17,12 +17,9 @@ criteria, one per accepted token, as in plain decoding. Reported per step: min /
 
 from __future__ import annotations
 
-import argparse
 import collections
 import contextlib
 import functools
-import json
-import statistics
 import sys
 
 import torch
@@ -30,8 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import dart_hf
 import dart_hf.loop as loop
-from dart_bench import DATA_DIR, load_prompt_sets
-from results_io import write_results
+from dart_bench import chat_ids, median_range, prompt_set, script_parser, write_results
 
 SYNC_OPS = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "repeat_interleave")
 PHASES = ("head", "tree", "mask", "target", "accept", "compact", "other", "emit")
@@ -78,7 +74,7 @@ def instrumented(counter: Counter, head):
 
     patch(loop, "draft", "other")
     patch(loop, "verify_step", "other")
-    patch(loop, "_emit", "emit")
+    patch(loop.Run, "emit", "emit")
     patch(loop, "tree_attention_mask", "mask")
     patch(loop, "tree_forward", "target")
     patch(loop, "keep_accepted_path", "compact")
@@ -129,33 +125,25 @@ def per_step_counts(model, head, ids, max_new_tokens) -> tuple[list[dict], list[
 def summary(rows: list[dict]) -> dict:
     out = {}
     for phase in PHASES[:-1]:  # the emit of step i runs before step i+1's draft: counted apart below
-        values = [r.get(phase, 0) for r in rows]
-        out[phase] = {"min": min(values), "median": statistics.median(values), "max": max(values)}
-    totals = [sum(v for k, v in r.items() if k not in ("target", "emit")) for r in rows]
-    out["step_without_target"] = {"min": min(totals), "median": statistics.median(totals), "max": max(totals)}
+        out[phase] = median_range(r.get(phase, 0) for r in rows)
+    out["step_without_target"] = median_range(sum(v for k, v in r.items() if k not in ("target", "emit"))
+                                              for r in rows)
     return out
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", help="write results here")
+    parser = script_parser(__doc__)
     parser.add_argument("--prompts", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=48)
     args = parser.parse_args(argv)
     model, tokenizer, head = dart_hf.load_default()
-    texts = load_prompt_sets(DATA_DIR, args.prompts, ["mt_bench"])["mt_bench"]
     ops, syncs = [], []
-    for text in texts:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                            return_tensors="pt", return_dict=True)["input_ids"]
-        o, s = per_step_counts(model, head, ids, args.max_new_tokens)
+    for text in prompt_set("mt_bench", args.prompts):
+        o, s = per_step_counts(model, head, chat_ids(tokenizer, text), args.max_new_tokens)
         ops += o[1:]  # the first row also holds the prefill's emission
         syncs += s[1:]
-    emit_syncs = [r.get("emit", 0) for r in syncs]
     results = {"steps": len(ops), "tree_nodes": model.dart_stats.tree_nodes, "operators": summary(ops),
-               "syncs": summary(syncs),
-               "emit_syncs_per_step": {"min": min(emit_syncs), "median": statistics.median(emit_syncs),
-                                       "max": max(emit_syncs)}}
+               "syncs": summary(syncs), "emit_syncs_per_step": median_range(r.get("emit", 0) for r in syncs)}
     print(f"{results['steps']} steps, {results['tree_nodes']} tree nodes")
     for phase in PHASES[:-1] + ("step_without_target",):
         o, s = results["operators"][phase], results["syncs"][phase]

@@ -5,11 +5,11 @@ weights, no model (`core_demo`)."""
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Optional
 
 import torch
 
+from dart_bench import DEMO_PROMPT, chat_ids, timed, timed_generate
 from dart_core import DartConfig, DartHead, NGramModel, TreeConfig, build_draft_trees, topk_draft_tokens, verify_greedy
 
 # A small head shape with random (seeded) weights: the core pipeline runs without a model or a trained head.
@@ -34,21 +34,15 @@ def core_demo(seed: int = 0, batch_size: int = 4, remain_total: int = 60, prompt
     gen = torch.Generator().manual_seed(seed)
     vocab = head.config.vocab_size
     stream = torch.randint(0, vocab // 8, (20000,), generator=gen)  # a repetitive corpus for the n-gram prior
-    t0 = time.perf_counter()
-    ngram = NGramModel.build([stream], order=3, vocab_size=vocab)
-    t_ngram = time.perf_counter() - t0
+    ngram, t_ngram = timed(NGramModel.build, [stream], order=3, vocab_size=vocab)
     cfg = TreeConfig(remain_total=remain_total)
 
     aux = torch.randn(batch_size, prompt_len, 3 * head.config.target_hidden_size, generator=gen)
     ids = torch.randint(0, vocab, (batch_size, prompt_len), generator=gen)
     with torch.no_grad():
-        t0 = time.perf_counter()
-        logits = head(aux, ids)  # [B, D+1, Vd]
-        t_head = time.perf_counter() - t0
+        logits, t_head = timed(head, aux, ids)  # [B, D+1, Vd]
         tokens, probs = topk_draft_tokens(logits, cfg.topk, head.d2t)
-        t0 = time.perf_counter()
-        trees = build_draft_trees(tokens, probs, ids[:, -3:], ngram, cfg)
-        t_tree = time.perf_counter() - t0
+        trees, t_tree = timed(build_draft_trees, tokens, probs, ids[:, -3:], ngram, cfg)
     # a synthetic target that agrees with the deepest root-to-leaf path of each tree
     n, v = trees.num_nodes, vocab
     target_logits = torch.randn(batch_size, n, v, generator=gen)
@@ -75,7 +69,7 @@ def core_demo(seed: int = 0, batch_size: int = 4, remain_total: int = 60, prompt
     return {"trees": trees, "verify": result}
 
 
-DEFAULT_PROMPT = "Explain in a few sentences how a hash table works and when it is a bad choice."
+DEFAULT_PROMPT = DEMO_PROMPT
 
 
 def model_demo(prompt: str = DEFAULT_PROMPT, max_new_tokens: int = 128, repeats: int = 3, calibrate: bool = False,
@@ -121,26 +115,25 @@ def model_demo(prompt: str = DEFAULT_PROMPT, max_new_tokens: int = 128, repeats:
     if choice is not None and not choice.pays and remain_total is None:
         print(f"dart-spec demo: no tree beats plain decoding on this machine in {dtype} ({choice.summary()}); a head "
               "attached with dart_hf.enable() decodes plain here. DART at that tree is timed below anyway.")
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                        return_tensors="pt", return_dict=True)["input_ids"].to(device)
-    common = dict(attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False)
+    ids = chat_ids(tokenizer, prompt, device)
+    common = dict(max_new_tokens=max_new_tokens, do_sample=False)
     print(f"prompt: {prompt}\n")
     # the streamed run is DART's warm-up
-    streamed = model.generate(ids, dart_head=head, dart_tree_config=tree_config,
+    streamed = model.generate(ids, attention_mask=torch.ones_like(ids), dart_head=head, dart_tree_config=tree_config,
                               streamer=TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True), **common)
     print(flush=True)
 
-    def timed(runs: int, **kwargs) -> tuple[list[float], torch.Tensor]:
+    def rates(runs: int, **kwargs) -> tuple[list[float], torch.Tensor]:
+        """tokens/s of `runs` calls, and the last output"""
         rates, out = [], None
         for _ in range(runs):
-            t0 = time.perf_counter()
-            out = model.generate(ids, **common, **kwargs)
-            rates.append((out.shape[1] - ids.shape[1]) / (time.perf_counter() - t0))
+            out, seconds = timed_generate(model, ids, **common, **kwargs)
+            rates.append((out.shape[1] - ids.shape[1]) / seconds)
         return rates, out
 
-    timed(1)  # plain warm-up
-    plain_rates, plain = timed(repeats)
-    dart_rates, dart = timed(repeats, dart_head=head, dart_tree_config=tree_config)
+    rates(1)  # plain warm-up
+    plain_rates, plain = rates(repeats)
+    dart_rates, dart = rates(repeats, dart_head=head, dart_tree_config=tree_config)
     stats = model.dart_stats
     parted = first_difference(plain[0, ids.shape[1]:], dart[0, ids.shape[1]:])
     identical = parted is None and torch.equal(dart, streamed)

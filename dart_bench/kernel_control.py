@@ -1,4 +1,5 @@
-"""The kernel control of the benchmarks: plain decoding given the few-row product of DART's verify step."""
+"""The kernel control of the benchmarks: plain decoding given the few-row product of DART's verify step
+(`bench_default_head.py --kernel-control`, `bench_few_row_matmul.py`)."""
 
 from __future__ import annotations
 
