@@ -1,8 +1,8 @@
 """Timing: the one clock of the benchmarks, `dart-spec bench` and the demo.
 
-Every measurement reads `time.perf_counter` here and nowhere else. With `sync=device` a timer waits for the work
-queued on that device before starting and before stopping (`dart_runtime.sync.synchronize`; nothing to wait for on
-the CPU), so GPU times are device times.
+Every measurement reads the clock of `dart_runtime.timing` (which the library's own measurements read too). With
+`sync=device` a timer waits for the work queued on that device before starting and before stopping
+(`dart_runtime.sync.synchronize`; nothing to wait for on the CPU), so GPU times are device times.
 
 - `timed(fn, ...)`: one call -> (its result, seconds); `timed_generate`: one batch-1 `generate()` call;
 - `Clock`: named samples (`with clock(key): ...` or `clock.run(key, fn, ...)`), their medians and totals;
@@ -17,28 +17,17 @@ from __future__ import annotations
 import contextlib
 import functools
 import statistics
-import time
 from typing import Any, Callable, Hashable, Iterator, Optional
 
 import torch
 
 from dart_runtime.sync import synchronize
-
-_now = time.perf_counter
+from dart_runtime.timing import interleaved_seconds, timed
+from dart_runtime.timing import now as _now
 
 
 def _waiter(sync: Optional[torch.device]) -> Callable[[], None]:
     return functools.partial(synchronize, sync) if sync is not None else (lambda: None)
-
-
-def timed(fn: Callable, *args, sync: Optional[torch.device] = None, **kwargs) -> tuple[Any, float]:
-    """(fn(*args, **kwargs), its wall seconds); with `sync`, the device is waited for before and after."""
-    wait = _waiter(sync)
-    wait()
-    t0 = _now()
-    out = fn(*args, **kwargs)
-    wait()
-    return out, _now() - t0
 
 
 def timed_generate(model, ids: torch.Tensor, sync: Optional[torch.device] = None,
@@ -111,13 +100,9 @@ def interleave(runs: dict[Hashable, Callable[[], Any]], rounds: int, warmup: int
     ones, so that a slow spell of the machine hits every run alike. `after(key, result, seconds, round)` is called
     after each call, outside the clock (round < 0 during the warm-up). Returns the Clock of the timed rounds."""
     clock = Clock(sync)
-    for index in range(-warmup, rounds):
-        for key, fn in runs.items():
-            out, seconds = timed(fn, sync=sync)
-            if index >= 0:
-                clock.add(key, seconds)
-            if after is not None:
-                after(key, out, seconds, index)
+    for key, seconds in interleaved_seconds(runs, rounds, warmup, sync, after=after).items():
+        for value in seconds:
+            clock.add(key, value)
     return clock
 
 

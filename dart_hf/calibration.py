@@ -60,7 +60,7 @@ import torch
 from dart_core import AcceptanceCurve, DartHead, TreeConfig
 from dart_core.errors import DartInputError
 from dart_core.io import atomic_write, cache_root
-from dart_runtime.sync import synchronize
+from dart_runtime.timing import interleaved_seconds, now
 from dart_hf.compat import attention_implementation
 from dart_hf.enable import DartGenerationMixin
 from dart_hf.loop import DartStats, dart_decoding, last_stats
@@ -251,16 +251,6 @@ def measure_latency(model, sizes: Iterable[int], layer_ids: Sequence[int] = (), 
     no_nodes = torch.zeros(1, 0, dtype=torch.long, device=device)
     past_columns = torch.ones(1, context_length, dtype=torch.bool, device=device)
 
-    def timed(run, kernels) -> float:
-        with kernels():  # entered outside the clock, as the loop enters it once per call
-            synchronize(device)
-            t0 = time.perf_counter()
-            run()
-            synchronize(device)
-            elapsed = time.perf_counter() - t0
-        keep_accepted_path(cache, context_length, no_nodes)  # the loop's compaction, keeping none of the block
-        return elapsed
-
     def verify(k: int) -> None:
         chain = torch.ones(1, k, k, dtype=torch.bool, device=device).tril()  # the shape matters, not the tree
         mask = tree_attention_mask(chain, past_columns, dtype)
@@ -271,18 +261,20 @@ def measure_latency(model, sizes: Iterable[int], layer_ids: Sequence[int] = (), 
         positions = torch.tensor([[context_length]], device=device)
         model(input_ids=block[:, :1], position_ids=positions, past_key_values=cache, use_cache=True)
 
-    runs = {k: (functools.partial(verify, k), functools.partial(tree_forwards, model)) for k in sizes}
-    runs[0] = (plain, contextlib.nullcontext)  # 0 = the plain 1-token forward, with the model's own kernels
-    times: dict[int, list[float]] = {k: [] for k in runs}
+    runs = {k: functools.partial(verify, k) for k in sizes}
+    runs[0] = plain  # the plain 1-token forward, with the model's own kernels
     bar = tqdm(total=(repeats + 1) * len(runs), desc="calibrate: latency", unit="fwd", disable=_disable(progress))
+
+    def kernels(k: int):  # entered outside the clock, as the loop enters it once per call
+        return tree_forwards(model) if k else contextlib.nullcontext()
+
+    def compact(*_) -> None:  # the loop's compaction, keeping none of the block
+        keep_accepted_path(cache, context_length, no_nodes)
+        bar.update()
+
     try:
         # round robin, so that a slow spell of the machine hits every size alike; the first round is a warm-up
-        for round_ in range(repeats + 1):
-            for k, (run, kernels) in runs.items():
-                elapsed = timed(run, kernels)
-                if round_:
-                    times[k].append(elapsed)
-                bar.update()
+        times = interleaved_seconds(runs, repeats, warmup=1, sync=device, around=kernels, after=compact)
     finally:
         bar.close()
     plain_s = statistics.median(times.pop(0))
@@ -385,7 +377,7 @@ def measure_machine_cost(model, head: DartHead, *, max_nodes: int = 60, context_
                          progress: Optional[bool] = None) -> MachineCost:
     """Time this machine's verify forwards for k = 1 .. `max_nodes` + 1 tokens and a plain step (`measure_latency`),
     then the rest of a step from a short DART run on fixed random ids (its acceptance does not matter)."""
-    t_start = time.perf_counter()
+    t_start = now()
     plan = plan_for(model, head)
     grid = sorted({k for k in LATENCY_GRID if k <= max_nodes + 1} | {max_nodes + 1})
     latency, plain_s = measure_latency(model, grid, plan.layer_ids, context_length, repeats, progress)
@@ -399,7 +391,7 @@ def measure_machine_cost(model, head: DartHead, *, max_nodes: int = 60, context_
         verify_ms={k: s * 1e3 for k, s in latency.items()}, plain_ms=plain_s * 1e3,
         head_ms=stats.head_time / steps * 1e3, tree_ms=stats.tree_time / steps * 1e3,
         rest_ms=max(stats.verify_time - stats.target_time, 0.0) / steps * 1e3, context_length=context_length,
-        seconds=time.perf_counter() - t_start, identity=identity(model, head),
+        seconds=now() - t_start, identity=identity(model, head),
         created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
 
 

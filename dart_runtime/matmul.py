@@ -31,14 +31,17 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
+import statistics
 import threading
-import time
 import weakref
 from typing import Callable, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from dart_runtime.timing import interleaved_seconds
 
 # `W @ x.T` is tried for 2..MAX_ROWS rows only (one row is a matrix-vector product either way; beyond, the GEMM's
 # large-M path is fine). Which of the two products is faster depends on the CPU, its BLAS and the dtype, so it is
@@ -95,16 +98,14 @@ def _median_pass_seconds(products: list[Callable], weights: list[torch.Tensor], 
     """Median seconds of one pass of each product over all `weights` with `rows` random rows, the products
     interleaved (so that a slow spell of the machine hits both alike), after a warm-up pass each."""
     inputs = {k: torch.randn(rows, k, dtype=weights[0].dtype) for k in {int(w.shape[1]) for w in weights}}
-    times: list[list[float]] = [[] for _ in products]
+
+    def one_pass(product: Callable) -> None:
+        for w in weights:
+            product(inputs[int(w.shape[1])], w, None)
+
     with torch.no_grad():
-        for round_ in range(REPEATS + 1):
-            for i, product in enumerate(products):
-                t0 = time.perf_counter()
-                for w in weights:
-                    product(inputs[int(w.shape[1])], w, None)
-                if round_:
-                    times[i].append(time.perf_counter() - t0)
-    return [sorted(t)[len(t) // 2] for t in times]
+        times = interleaved_seconds({i: functools.partial(one_pass, p) for i, p in enumerate(products)}, REPEATS)
+    return [statistics.median(times[i]) for i in range(len(products))]
 
 
 def transposed_is_faster(weight: torch.Tensor, rows: int) -> bool:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import functools
 import hashlib
 import json
 import math
@@ -44,6 +45,7 @@ from dart_core.config import check_float, check_int
 from dart_core.errors import DartInputError
 from dart_core.io import WEIGHT_DTYPES, atomic_write, set_aside_copies, staged_directory
 from dart_runtime.sync import synchronize
+from dart_runtime.timing import interleaved_seconds
 from dart_hf.loop import DartStats
 from dart_hf.target import tree_settings
 from dart_train.data import read_shards
@@ -602,22 +604,20 @@ class Trainer:
                                         self.head.config.draft_length, torch.Generator().manual_seed(0))
         anchors, valid = anchors.to(self.device), valid.to(self.device)
 
-        def seconds(precision) -> float:
-            times = []
-            for _ in range(3):
-                t0 = time.perf_counter()
-                with precision:
-                    real, blocks = self.forward(aux[:, :-1], batch.input_ids[:, 1:], anchors, batch.lengths - 1)
-                dart_loss(real, blocks, teacher, anchors, valid, batch.lengths, batch.prompt_lengths,
-                          self.cfg.gamma).loss.backward()
-                self._sync()
-                times.append(time.perf_counter() - t0)
-                self.head.zero_grad(set_to_none=True)
-            return statistics.median(times[1:])
+        def step(precision) -> None:
+            with precision:
+                real, blocks = self.forward(aux[:, :-1], batch.input_ids[:, 1:], anchors, batch.lengths - 1)
+            dart_loss(real, blocks, teacher, anchors, valid, batch.lengths, batch.prompt_lengths,
+                      self.cfg.gamma).loss.backward()
+
+        def clear_grads(*_) -> None:
+            self.head.zero_grad(set_to_none=True)
 
         self.head.train()
-        fp32 = seconds(contextlib.nullcontext())
-        bf16 = seconds(torch.autocast(self.device.type, dtype=torch.bfloat16))
+        runs = {"float32": functools.partial(step, contextlib.nullcontext()),
+                "bfloat16": functools.partial(step, torch.autocast(self.device.type, dtype=torch.bfloat16))}
+        times = interleaved_seconds(runs, rounds=2, warmup=1, sync=self.device, after=clear_grads)
+        fp32, bf16 = statistics.median(times["float32"]), statistics.median(times["bfloat16"])
         votes = _all_reduce(torch.tensor([float(bf16 <= margin * fp32)], device=self.device), self.dist)
         return "bfloat16" if int(votes.item()) == self.dist.world else "float32"  # every rank alike
 

@@ -287,7 +287,7 @@ def test_the_head_precision_is_measured_kept_on_resume_and_logged(tiny_run, tmp_
 
     real_forward = TrainingForward.forward
     with monkeypatch.context() as patch:
-        patch.setattr("dart_train.trainer.time.perf_counter", fake_clock)
+        patch.setattr("dart_runtime.timing.now", fake_clock)  # the one clock
         patch.setattr(TrainingForward, "forward", forward)
         trainer = Trainer(_config(root, tmp_path / "p", head_precision=None, stop_at=2), model=target)
     assert trainer.head_precision == want and (trainer.autocast is not None) == (want == "bfloat16")
