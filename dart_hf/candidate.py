@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import time
 import torch
 from transformers.generation.candidate_generator import CandidateGenerator
 
 from dart_core import DartHead, draft_context_length
+from dart_runtime.timing import now
 from dart_hf.loop import DartStats
 from dart_hf.target import plan_for, tapped_hidden_states, tree_settings
 
@@ -47,15 +47,15 @@ class DartCandidateGenerator(CandidateGenerator):
         # the last target forward started at position `rows`; its first cur-1-rows positions are now final
         new_rows = cur - 1 - self.rows
         aux = tapped_hidden_states(model_outputs, self.plan.layer_ids)[:, :new_rows]
-        t0 = time.perf_counter()
+        t0 = now()
         candidates = self.head.draft(aux, input_ids[:, self.rows + 1 : cur], None, self.head_cache,
                                      self.tree_config)
-        t1 = time.perf_counter()
+        t1 = now()
         self.rows = cur - 1
         tree = self.head.build_tree(candidates, input_ids[:, -self.context_len:], self.ngram, self.tree_config)[0]
         chain = best_full_depth_path(tree.tokens, tree.parents, tree.depths, tree.scores)
         self.stats.head_time += t1 - t0
-        self.stats.tree_time += time.perf_counter() - t1
+        self.stats.tree_time += now() - t1
         budget = self.max_length - cur - 1
         if budget <= 0:
             return input_ids, None

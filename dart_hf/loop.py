@@ -8,7 +8,6 @@ import dataclasses
 import functools
 import inspect
 import threading
-import time
 import warnings
 import weakref
 from typing import Optional
@@ -21,6 +20,7 @@ from dart_core.errors import DartInputError
 from dart_core.head import id_outside_vocab
 from dart_runtime.matmul import few_row_linears
 from dart_runtime.sync import synchronize
+from dart_runtime.timing import now
 from dart_core.tree import score_ranks
 from dart_hf.compat import cache_from_caller, supports_logits_to_keep
 from dart_hf.processors import row_processor, stateful_processor
@@ -82,10 +82,10 @@ class DartStats:
     sync_timing: bool = False
 
     def clock(self, device: torch.device) -> float:
-        """perf_counter seconds, after waiting for `device` when `sync_timing` is set."""
+        """Clock seconds (`dart_runtime.timing.now`), after waiting for `device` when `sync_timing` is set."""
         if self.sync_timing:
             synchronize(device)
-        return time.perf_counter()
+        return now()
 
     @property
     def steps(self) -> int:
@@ -280,10 +280,10 @@ def dart_decoding(model, input_ids: torch.LongTensor, logits_processor, stopping
 
 def _decode(call: Call):
     """`dart_decoding`'s body: prepare (every check), prefill, then emit / draft / verify until done."""
-    t_start = time.perf_counter()
+    t_start = now()
     _record_stats(call.model, None)
     run = _start(call)
-    run.stats.setup_time = time.perf_counter() - t_start
+    run.stats.setup_time = now() - t_start
     head, cache = call.options.head, run.verifier.cache
     with whole_sliding_layers(cache):  # sliding-window layers are compacted as full ones, then trimmed
         carried = _take_carried(cache, head, run.prepared.past)
@@ -296,7 +296,7 @@ def _decode(call: Call):
                 trees, ancestors, step = run.draft(batch, step, head_cache)
                 step = verify_step(run.verifier, trees, ancestors, batch, run.sequences, step, run.stats)
         output = run.finish(step, head_cache)
-    run.stats.total_time = time.perf_counter() - t_start
+    run.stats.total_time = now() - t_start
     return run.result(output)
 
 

@@ -32,7 +32,6 @@ import pickle
 import random
 import shutil
 import statistics
-import time
 import zipfile
 from pathlib import Path
 from typing import Optional
@@ -45,7 +44,7 @@ from dart_core.config import check_float, check_int
 from dart_core.errors import DartInputError
 from dart_core.io import WEIGHT_DTYPES, atomic_write, set_aside_copies, staged_directory
 from dart_runtime.sync import synchronize
-from dart_runtime.timing import interleaved_seconds
+from dart_runtime.timing import interleaved_seconds, now
 from dart_hf.loop import DartStats
 from dart_hf.target import tree_settings
 from dart_train.data import read_shards
@@ -472,7 +471,7 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, model=None) -> None:
         cfg.validate()
-        self.started = time.perf_counter()  # the time budget counts from here: data and target loading included
+        self.started = now()  # the time budget counts from here: data and target loading included
         self.cfg = cfg
         # with a time budget, `run` fits the step count (kept by checkpoints); until then the schedule is open-ended
         self.total_steps = cfg.steps if cfg.time_budget is None else UNFITTED_STEPS
@@ -626,11 +625,11 @@ class Trainer:
 
     def compute(self, batch: TrainingBatch, generator: torch.Generator) -> tuple[LossOutput, float, float]:
         """Loss of one batch -> (LossOutput, target seconds, head forward seconds)."""
-        t0 = time.perf_counter()
+        t0 = now()
         aux, teacher = target_features(self.model, self.layer_ids, batch.input_ids, batch.attention_mask,
                                        self.vocab_ids)
         self._sync()
-        t1 = time.perf_counter()
+        t1 = now()
         anchors, valid = choose_anchors(batch.lengths.cpu(), batch.prompt_lengths.cpu(), self.cfg.anchors_per_seq,
                                         self.head.config.draft_length, generator)
         anchors, valid = anchors.to(self.device), valid.to(self.device)
@@ -638,13 +637,13 @@ class Trainer:
         with self.autocast if self.autocast is not None else contextlib.nullcontext():
             real, blocks = self.forward(aux[:, :-1], batch.input_ids[:, 1:], anchors, real_rows)
         out = dart_loss(real, blocks, teacher, anchors, valid, batch.lengths, batch.prompt_lengths, self.cfg.gamma)
-        return out, t1 - t0, time.perf_counter() - t1
+        return out, t1 - t0, now() - t1
 
     def train_step(self, step: int) -> dict:
         batch = collate(self.samples_for(step)).to(self.device)
         self.head.train()
         out, t_target, t_fwd = self.compute(batch, self._anchor_generator(step))
-        t0 = time.perf_counter()
+        t0 = now()
         out.loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(self.head.parameters(), self.cfg.grad_clip)
         # a non-finite loss or gradient never reaches the weights or the optimizer state (every rank agrees)
@@ -655,7 +654,7 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._sync()
-        t_head = t_fwd + time.perf_counter() - t0
+        t_head = t_fwd + now() - t0
         return {"loss": float(out.loss.detach()), "kl_sum": out.kl_sum, "correct": out.correct, "count": out.count,
                 "tokens": batch.num_tokens, "target_s": t_target, "head_s": t_head, "skipped": skipped}
 
@@ -752,7 +751,7 @@ class Trainer:
                    disable=not (cfg.progress and self.dist.main), dynamic_ncols=True)
         window = {"kl_sum": torch.zeros(d + 1, dtype=torch.float64), "correct": torch.zeros(d + 1, dtype=torch.float64),
                   "count": torch.zeros(d + 1, dtype=torch.float64), "loss": 0.0, "n": 0, "tokens": 0,
-                  "target_s": 0.0, "head_s": 0.0, "skipped": 0, "t0": time.perf_counter()}
+                  "target_s": 0.0, "head_s": 0.0, "skipped": 0, "t0": now()}
         budget = _Budget(self) if cfg.time_budget is not None else None
         last_eval, losses, skipped_total, skipped_in_a_row = None, [], 0, 0
         step = self.start_step
@@ -760,9 +759,9 @@ class Trainer:
             return min(self.total_steps, cfg.stop_at) if cfg.stop_at is not None else self.total_steps
 
         while step < end():
-            t_step = time.perf_counter()
+            t_step = now()
             result = self.train_step(step)
-            t_step = time.perf_counter() - t_step
+            t_step = now() - t_step
             step += 1
             losses.append(result["loss"])
             skipped_in_a_row = skipped_in_a_row + 1 if result["skipped"] else 0
@@ -780,7 +779,7 @@ class Trainer:
             for k in ("loss", "tokens", "target_s", "head_s", "skipped"):
                 window[k] += result[k]
             window["n"] += 1
-            elapsed = time.perf_counter() - window["t0"]
+            elapsed = now() - window["t0"]
             acc = (window["correct"] / window["count"].clamp(min=1)).tolist()
             tok_s = window["tokens"] * self.dist.world / max(elapsed, 1e-9)
             bar.set_postfix_str(f"loss {window['loss'] / window['n']:.3f} acc " +
@@ -796,12 +795,12 @@ class Trainer:
                                           "head_precision": self.head_precision})
                 window.update(kl_sum=window["kl_sum"] * 0, correct=window["correct"] * 0,
                               count=window["count"] * 0, loss=0.0, n=0, tokens=0, target_s=0.0, head_s=0.0,
-                              skipped=0, t0=time.perf_counter())
+                              skipped=0, t0=now())
             if step % cfg.eval_every == 0 and step != self.total_steps:
-                t_eval = time.perf_counter()
+                t_eval = now()
                 last_eval = self._eval_and_log(step, final=False)
                 if budget is not None:
-                    budget.evaluated(time.perf_counter() - t_eval)
+                    budget.evaluated(now() - t_eval)
                 if last_eval is not None and self.dist.main:
                     bar.write(f"step {step}: held-out loss {last_eval.get('loss', float('nan')):.4f} acc "
                               + "/".join(f"{a:.2f}" for a in last_eval.get("acc", [])[:4]))
@@ -822,7 +821,7 @@ class Trainer:
                 self.save_head(self.out / "head")
             summary["head"] = str(self.out / "head")
             if cfg.time_budget is not None:
-                summary["seconds"] = time.perf_counter() - self.started
+                summary["seconds"] = now() - self.started
         if self.dist.world > 1:
             torch.distributed.barrier()
         return summary
@@ -854,7 +853,7 @@ class _Budget:
 
     def after_step(self, step: int, step_s: float, bar) -> bool:
         """Called after each step (`step` steps done, the last took `step_s` s); True when the run must end now."""
-        trainer, cfg, now = self.trainer, self.trainer.cfg, time.perf_counter()
+        trainer, cfg, at = self.trainer, self.trainer.cfg, now()
         self.all_s += step_s
         if step > self.first_timed:
             self.timed_s += step_s
@@ -866,12 +865,12 @@ class _Budget:
         eval_s = self.eval_s if self.eval_s is not None else eval_batches * mean_s  # the target forward dominates both
         if timed:
             first_fit = trainer.total_steps == UNFITTED_STEPS
-            trainer.total_steps = fit_steps(self.deadline - now - self.extras_s, mean_s, eval_s, cfg.eval_every, step)
+            trainer.total_steps = fit_steps(self.deadline - at - self.extras_s, mean_s, eval_s, cfg.eval_every, step)
             if first_fit:
                 trainer._log("train.jsonl", {"step": step, "time_budget_s": cfg.time_budget, "step_s": mean_s,
                                              "fitted_steps": trainer.total_steps})
             bar.total = trainer.total_steps
-        return now + mean_s + eval_s + self.extras_s > self.deadline
+        return at + mean_s + eval_s + self.extras_s > self.deadline
 
 
 def train(cfg: TrainConfig, model=None) -> dict:
