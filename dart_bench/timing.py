@@ -80,12 +80,7 @@ class Clock:
 def repeat_seconds(fn: Callable[[], Any], repeats: int, warmup: int = 0,
                    sync: Optional[torch.device] = None) -> list[float]:
     """Seconds of `repeats` calls of `fn` after `warmup` untimed ones."""
-    for _ in range(warmup):
-        fn()
-    clock = Clock(sync)
-    for _ in range(repeats):
-        clock.run(None, fn)
-    return clock.seconds.get(None, [])
+    return interleaved_seconds({None: fn}, repeats, warmup, sync)[None]
 
 
 def median_seconds(fn: Callable[[], Any], repeats: int, warmup: int = 1, sync: Optional[torch.device] = None) -> float:

@@ -6,8 +6,8 @@ runs over the rows PACKED back to back, [N = sum of counts, ...]: a real row's k
 alone, so packing costs nothing and wastes nothing. The attention has one fixed-size query block per request (its
 last real row and the D mask rows), so only the KEYS are ragged (each request's own cached prefix): they are
 PADDED to the longest prefix of the round, [B, S, ...], with padding zeroed and masked out, which makes the whole
-round one dense `scaled_dot_product_attention` call on any device (`dart_core.head_math.draft_step`) (a packed, block-diagonal attention would cost
-B^2 and a varlen kernel is CUDA-only).
+round one dense `scaled_dot_product_attention` call on any device, in `dart_core.head_math.draft_step` (a packed,
+block-diagonal attention would cost B^2 and a varlen kernel is CUDA-only).
 
 Shapes: B requests, counts [B] (>= 1 new rows each), N = counts.sum(), S = the longest prefix, D mask rows.
 """
