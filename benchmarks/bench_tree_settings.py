@@ -1,10 +1,12 @@
-"""Tree-search settings and n-gram tables for a head: tau at several tree sizes, on prompts held out from training.
+"""Tree-search settings and n-gram tables for a head: tau at several tree sizes, on prompts outside its training data.
 
     python benchmarks/bench_tree_settings.py --json benchmarks/results/tree_settings.json \
         --settings '[{}, {"ngram_weight": 0.0}, {"ngram_weight": 1.0}]' --ngram runs/other-ngram.safetensors
 
-Greedy DART decoding with the shipped SmolLM2 head (or `--head`) on the last GSM8K training questions of the
-distillation order (held out from the shipped head's data) plus a few built-in chat and code requests. Every
+Greedy DART decoding with the shipped SmolLM2 head (or `--head`) on a few chat and code requests written for this
+script, plus the last GSM8K training questions of the distillation order (`--gsm8k`: held out from heads distilled
+from a prefix of that order, not from the shipped head, whose data covers all of GSM8K train) and the first MT-Bench
+and HumanEval prompts (`--mt-bench`, `--humaneval`: held out from every shipped head). Every
 setting (a JSON object of `TreeConfig` fields that replace the head's) runs once with a `--max-nodes` tree; the
 selection rank of each accepted node gives the tau a smaller tree of the same search would have reached
 (`DartStats.tau_at`), so one run per setting covers every tree size. Each `--ngram` file is run with the head's
@@ -26,7 +28,7 @@ from dart_core import TreeConfig
 from dart_core.ngram import NGramModel
 from dart_hf.calibration import acceptance_run, base_tree_config
 
-TREE_SIZES = (2, 4, 8, 16, 60)
+TREE_SIZES = (1, 2, 3, 4, 8, 16, 32, 60)  # float32 trees on a CPU: 1-4 nodes; bfloat16: 8-32; a GPU: 60
 # requests written for this script (not from any benchmark set)
 OWN_PROMPTS = (
     "Write a Python function that returns the n-th Fibonacci number, with a docstring and a few tests.",
@@ -56,7 +58,9 @@ def main(argv=None) -> int:
     parser = script_parser(__doc__, threads=1)
     parser.add_argument("--settings", default="[{}]", help="JSON list of TreeConfig overrides (default: '[{}]')")
     parser.add_argument("--ngram", nargs="*", default=[], metavar="FILE", help="n-gram files to try instead")
-    parser.add_argument("--gsm8k", type=int, default=6, help="held-out GSM8K questions, default 6")
+    parser.add_argument("--gsm8k", type=int, default=6, help="GSM8K questions, default 6")
+    parser.add_argument("--mt-bench", type=int, default=0, help="MT-Bench first turns, default 0")
+    parser.add_argument("--humaneval", type=int, default=0, help="HumanEval prompts, default 0")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--max-nodes", type=int, default=60, help="tree size of the runs, default 60")
     parser.add_argument("--head", metavar="DIR", help="another DART head for SmolLM2 (default: the shipped one)")
@@ -71,8 +75,9 @@ def main(argv=None) -> int:
         parser.error(f"n-gram file(s) not found: {', '.join(missing)}")
     torch.set_num_threads(args.threads)
     model, tokenizer, head = dart_hf.load_default(args.head)
-    questions = prompt_set("gsm8k", args.gsm8k)
-    prompts = encode_prompts(tokenizer, list(questions) + list(OWN_PROMPTS))
+    texts = [q for name, count in (("gsm8k", args.gsm8k), ("mt_bench", args.mt_bench), ("humaneval", args.humaneval))
+             for q in prompt_set(name, count)]
+    prompts = encode_prompts(tokenizer, texts + list(OWN_PROMPTS))
     base = base_tree_config(model, head)
     # (what the row says, TreeConfig overrides, n-gram): every n-gram file is loaded (and checked) before any run
     runs = ([({"settings": s}, s, head.ngram) for s in settings]
@@ -87,9 +92,11 @@ def main(argv=None) -> int:
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.json:
+        prompt_sets = {"own": len(OWN_PROMPTS), "gsm8k": args.gsm8k, "mt_bench": args.mt_bench,
+                       "humaneval": args.humaneval}
         write_results(args.json, {"head": args.head or "shipped", "base": dataclasses.asdict(base),
-                                  "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-                                  "threads": args.threads, "runs": rows})
+                                  "prompts": len(prompts), "prompt_sets": prompt_sets,
+                                  "max_new_tokens": args.max_new_tokens, "threads": args.threads, "runs": rows})
     return 0
 
 

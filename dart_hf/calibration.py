@@ -70,8 +70,10 @@ from dart_hf.target import (keep_accepted_path, plan_for, tree_attention_mask,
 FORMAT_VERSION = 4  # 4: the machine cost alone (acceptance ships with the head)
 LATENCY_GRID = (1, 2, 4, 8, 16, 32, 64)
 CANDIDATES = (1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 60)
+# the acceptance curve's prompts; none is a prompt the demo or a benchmark times, so the tree they pick is not fitted
+# to the text it is then timed on
 DEFAULT_PROMPTS = (
-    "Explain in a few sentences how a hash table works and when it is a bad choice.",
+    "Describe how binary search finds a value in a sorted list and what its running time is.",
     "Write a Python function that returns the n-th Fibonacci number, with a short docstring.",
     "A train travels 180 km in 2 hours and then 120 km in 1.5 hours. What is its average speed? Show the steps.",
     "List five tips for writing clear emails.",

@@ -175,6 +175,12 @@ def test_acceptance_curve_ships_in_the_head_directory(tmp_path):
         DartHead.from_pretrained(tmp_path / "head")
 
 
+def test_the_acceptance_curve_is_not_measured_on_the_demo_prompt():
+    from dart_bench import DEMO_PROMPT
+    from dart_hf.calibration import DEFAULT_PROMPTS
+    assert DEMO_PROMPT not in DEFAULT_PROMPTS  # the demo's tree size would be fitted to the text it is timed on
+
+
 def test_first_call_measures_the_machine_once_and_caches_it_by_dtype_and_threads(cache_root, monkeypatch, capsys):
     model = dart_hf.enable(tiny_target())
     head = random_head(model)
