@@ -1,15 +1,15 @@
 """Tree-search settings and n-gram tables for a head: tau at several tree sizes, on prompts outside its training data.
 
-    python benchmarks/bench_tree_settings.py --json benchmarks/results/tree_settings.json \
+    python benchmarks/bench_tree_settings.py --mt-bench 20 --humaneval 10 --json benchmarks/results/tree_settings.json \
         --settings '[{}, {"ngram_weight": 0.0}, {"ngram_weight": 1.0}]' --ngram runs/other-ngram.safetensors
 
 Greedy DART decoding with the shipped SmolLM2 head (or `--head`) on a few chat and code requests written for this
 script, plus the last GSM8K training questions of the distillation order (`--gsm8k`: held out from heads distilled
 from a prefix of that order, not from the shipped head, whose data covers all of GSM8K train) and the first MT-Bench
-and HumanEval prompts (`--mt-bench`, `--humaneval`: held out from every shipped head). Every
-setting (a JSON object of `TreeConfig` fields that replace the head's) runs once with a `--max-nodes` tree; the
-selection rank of each accepted node gives the tau a smaller tree of the same search would have reached
-(`DartStats.tau_at`), so one run per setting covers every tree size. Each `--ngram` file is run with the head's
+and HumanEval prompts (`--mt-bench`, `--humaneval`: held out from every shipped head). Every setting (a JSON object
+of `TreeConfig` fields that replace the head's) runs once with a `--max-nodes` tree; the selection rank of each
+accepted node gives the tau a smaller tree of the same search would have reached (`DartStats.tau_at`), so one run
+per setting covers every tree size. Each `--ngram` file is run with the head's
 settings. Measures acceptance only: tokens/s on a CPU come from `bench_default_head.py`.
 """
 
@@ -58,13 +58,17 @@ def main(argv=None) -> int:
     parser = script_parser(__doc__, threads=1)
     parser.add_argument("--settings", default="[{}]", help="JSON list of TreeConfig overrides (default: '[{}]')")
     parser.add_argument("--ngram", nargs="*", default=[], metavar="FILE", help="n-gram files to try instead")
-    parser.add_argument("--gsm8k", type=int, default=6, help="GSM8K questions, default 6")
+    parser.add_argument("--gsm8k", type=int, default=0, help="GSM8K questions, default 0")
     parser.add_argument("--mt-bench", type=int, default=0, help="MT-Bench first turns, default 0")
     parser.add_argument("--humaneval", type=int, default=0, help="HumanEval prompts, default 0")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--max-nodes", type=int, default=60, help="tree size of the runs, default 60")
     parser.add_argument("--head", metavar="DIR", help="another DART head for SmolLM2 (default: the shipped one)")
     args = parser.parse_args(argv)
+    counts = {"gsm8k": args.gsm8k, "mt_bench": args.mt_bench, "humaneval": args.humaneval}
+    negative = [f"--{name.replace('_', '-')} {n}" for name, n in counts.items() if n < 0]
+    if negative:
+        parser.error(f"prompt counts must be >= 0: {', '.join(negative)}")
     try:
         settings = parse_settings(args.settings)
     except ValueError as err:  # json.JSONDecodeError included
@@ -75,9 +79,12 @@ def main(argv=None) -> int:
         parser.error(f"n-gram file(s) not found: {', '.join(missing)}")
     torch.set_num_threads(args.threads)
     model, tokenizer, head = dart_hf.load_default(args.head)
-    texts = [q for name, count in (("gsm8k", args.gsm8k), ("mt_bench", args.mt_bench), ("humaneval", args.humaneval))
-             for q in prompt_set(name, count)]
-    prompts = encode_prompts(tokenizer, texts + list(OWN_PROMPTS))
+    sets = {name: prompt_set(name, n) if n else [] for name, n in counts.items()}
+    short = [f"--{name.replace('_', '-')} {counts[name]} (the set holds {len(texts)})"
+             for name, texts in sets.items() if len(texts) < counts[name]]
+    if short:
+        parser.error(f"more prompts asked than shipped: {', '.join(short)}")
+    prompts = encode_prompts(tokenizer, [q for texts in sets.values() for q in texts] + list(OWN_PROMPTS))
     base = base_tree_config(model, head)
     # (what the row says, TreeConfig overrides, n-gram): every n-gram file is loaded (and checked) before any run
     runs = ([({"settings": s}, s, head.ngram) for s in settings]
@@ -92,8 +99,7 @@ def main(argv=None) -> int:
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.json:
-        prompt_sets = {"own": len(OWN_PROMPTS), "gsm8k": args.gsm8k, "mt_bench": args.mt_bench,
-                       "humaneval": args.humaneval}
+        prompt_sets = {"own": len(OWN_PROMPTS), **{name: len(texts) for name, texts in sets.items()}}
         write_results(args.json, {"head": args.head or "shipped", "base": dataclasses.asdict(base),
                                   "prompts": len(prompts), "prompt_sets": prompt_sets,
                                   "max_new_tokens": args.max_new_tokens, "threads": args.threads, "runs": rows})

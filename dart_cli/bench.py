@@ -16,7 +16,7 @@ def add_bench(sub) -> None:
     p = sub.add_parser(
         "bench", help="compare decoding methods on SmolLM2 in one run (JSON, markdown table, PNG charts)",
         description="Time plain generate(), prompt lookup, DART tree, DART chain (assistant_model=) and an "
-                    "EAGLE3-style drafter on SmolLM2-135M-Instruct, batch 1, over MT-Bench, HumanEval and held-out "
+                    "EAGLE3-style drafter on SmolLM2-135M-Instruct, batch 1, over MT-Bench, HumanEval and "
                     "GSM8K prompts at each temperature; every prompt runs all methods back to back. Writes "
                     "results.json, table.md, speedup.png and breakdown.png into --out.")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory")

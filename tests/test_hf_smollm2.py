@@ -132,7 +132,7 @@ def test_bfloat16_dart_leaves_plain_no_earlier_than_prompt_lookup():
 
     model, tokenizer, head = dart_hf.load_default(target_dtype=torch.bfloat16)
     tree = dart_hf.calibration.base_tree_config(model, head)
-    tree = type(tree)(**{**tree.to_dict(), "remain_total": 12})  # what this machine's first call chose in bfloat16
+    tree = type(tree)(**{**tree.to_dict(), "remain_total": 12})  # a tree of the size bfloat16 affords on a CPU
     new = 64
     parted = {"dart": [], "prompt_lookup": []}
     for text in load_prompt_sets(DATA_DIR, 20, ["mt_bench"])["mt_bench"]:
