@@ -65,8 +65,9 @@ def main(argv=None) -> int:
     parser.add_argument("--max-nodes", type=int, default=60, help="tree size of the runs, default 60")
     parser.add_argument("--head", metavar="DIR", help="another DART head for SmolLM2 (default: the shipped one)")
     args = parser.parse_args(argv)
-    counts = {"gsm8k": args.gsm8k, "mt_bench": args.mt_bench, "humaneval": args.humaneval}
-    negative = [f"--{name.replace('_', '-')} {n}" for name, n in counts.items() if n < 0]
+    counts = {"gsm8k": args.gsm8k, "mt_bench": args.mt_bench, "humaneval": args.humaneval}  # prompt set -> count
+    flag = {name: "--" + name.replace("_", "-") for name in counts}
+    negative = [f"{flag[name]} {n}" for name, n in counts.items() if n < 0]
     if negative:
         parser.error(f"prompt counts must be >= 0: {', '.join(negative)}")
     try:
@@ -80,7 +81,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     model, tokenizer, head = dart_hf.load_default(args.head)
     sets = {name: prompt_set(name, n) if n else [] for name, n in counts.items()}
-    short = [f"--{name.replace('_', '-')} {counts[name]} (the set holds {len(texts)})"
+    short = [f"{flag[name]} {counts[name]} (the set holds {len(texts)})"
              for name, texts in sets.items() if len(texts) < counts[name]]
     if short:
         parser.error(f"more prompts asked than shipped: {', '.join(short)}")
