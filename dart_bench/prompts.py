@@ -2,7 +2,7 @@
 them into token ids.
 
 The shipped sets live in `dart_bench/data/` (see data/README.md): MT-Bench questions, HumanEval prompts and the
-held-out end of the GSM8K distillation order. Chat encoding goes through `dart_hf.calibration.encode_prompts` (the
+end of the GSM8K distillation order. Chat encoding goes through `dart_hf.calibration.encode_prompts` (the
 chat template when the tokenizer has one), imported when called so that importing dart_bench stays free of
 transformers.
 """
@@ -49,14 +49,20 @@ def read_prompt_rows(name: str, data_dir: str | Path = DATA_DIR) -> list[dict]:
 
 def load_prompt_sets(data_dir: str | Path, per_set: int, sets: Sequence[str] = PROMPT_SETS) -> dict[str, list[str]]:
     """The first `per_set` prompts of each set: MT-Bench first turns, HumanEval prompts, GSM8K questions (the shipped
-    slice is the end of the distillation order, held out from heads trained on a prefix of it)."""
+    slice is the end of the distillation order). Raises DartInputError for a negative `per_set` or one above a set's
+    size."""
     unknown = sorted(set(sets) - set(PROMPT_SETS))
     if unknown:
         raise DartInputError(f"unknown prompt set(s) {unknown}; known: {', '.join(PROMPT_SETS)}")
+    if per_set < 0:
+        raise DartInputError(f"prompts per set must be >= 0, got {per_set}")
     out = {}
     for name in sets:
         file, field = _FIELDS[name]
-        out[name] = [field(row) for row in read_prompt_rows(file, data_dir)][:per_set]
+        rows = read_prompt_rows(file, data_dir)
+        if per_set > len(rows):
+            raise DartInputError(f"{per_set} {name} prompts asked for; {Path(data_dir) / file}.jsonl holds {len(rows)}")
+        out[name] = [field(row) for row in rows[:per_set]]
     return out
 
 

@@ -16,6 +16,7 @@ from dart_bench import (DATA_DIR, BenchConfig, load_prompt_sets, markdown_table,
                         summarize, write_report)
 from dart_cli.main import main
 from dart_core import Eagle3Head
+from dart_core.errors import DartInputError
 from hf_models import random_head, tiny_target
 
 REPO = Path(__file__).resolve().parents[1]
@@ -100,6 +101,15 @@ def test_the_shipped_prompt_sets_and_their_licences():
         assert name in listed and (not name.startswith("LICENSE") or (DATA_DIR / name).is_file())
     with pytest.raises(ValueError, match="unknown prompt set"):
         load_prompt_sets(DATA_DIR, 1, ["nope"])
+
+
+def test_prompt_counts_outside_a_set_are_errors_not_shorter_lists():
+    assert load_prompt_sets(DATA_DIR, 0) == {"mt_bench": [], "humaneval": [], "gsm8k": []}
+    assert len(load_prompt_sets(DATA_DIR, 40, ["humaneval"])["humaneval"]) == 40  # the whole set
+    with pytest.raises(DartInputError, match="41 humaneval prompts asked for.*holds 40"):
+        load_prompt_sets(DATA_DIR, 41, ["humaneval"])
+    with pytest.raises(DartInputError, match=">= 0, got -1"):
+        load_prompt_sets(DATA_DIR, -1, ["mt_bench"])
 
 
 def test_no_file_of_the_project_names_the_data_beside_the_checkout():
