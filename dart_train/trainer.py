@@ -32,7 +32,7 @@ import pickle
 import random
 import shutil
 import statistics
-import zipfile
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -387,11 +387,13 @@ def load_trainer_state(file: Path) -> dict:
     """A checkpoint's trainer state: tensors and plain data only (never code: `weights_only=True`); ValueError
     naming the file when it is corrupt, truncated or not a trainer state."""
     try:
-        state = torch.load(file, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # garbage bytes read as an odd pickle protocol warn before they fail
+            warnings.simplefilter("ignore", UserWarning)
+            state = torch.load(file, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:
         raise DartInputError(f"{file}: not a readable trainer state (it holds objects other than tensors and plain "
                              "data; they are not loaded, since loading them could run code)") from None
-    except (RuntimeError, EOFError, ValueError, OSError, zipfile.BadZipFile) as err:
+    except Exception as err:  # noqa: BLE001 -- corrupt bytes fail inside the unpickler in any way (IndexError, ...)
         raise DartInputError(f"{file}: not a readable trainer state ({type(err).__name__}: "
                              f"{str(err).splitlines()[0] if str(err) else 'truncated'}); delete the checkpoint or "
                              "train without --resume") from None

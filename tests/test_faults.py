@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import stat
 
 import numpy as np
@@ -15,7 +16,8 @@ import torch
 import dart_hf
 from dart_cli.main import main
 from dart_core import DartHead, DartInputError, TreeConfig, build_draft_tree
-from dart_train.data import read_shards, write_shard
+from dart_train.data import read_shard, read_shards, write_shard
+from dart_train.trainer import load_trainer_state
 from hf_models import random_head, tiny_target
 
 
@@ -203,8 +205,47 @@ def test_resume_never_runs_code_from_a_crafted_checkpoint(tiny_run, tmp_path, ca
     torch.save({"step": 1, "evil": payload}, state)
     one_line_error(train_args(root, out, "--resume"), capsys, "not a readable trainer state")
     assert not marker.exists()
-    state.write_bytes(os.urandom(300))  # corrupt
+    state.write_bytes(random.Random(0).randbytes(300))  # corrupt
     one_line_error(train_args(root, out, "--resume"), capsys, "not a readable trainer state")
+
+
+def corruptions(good: bytes, seeds: int):
+    """(kind, bytes): for each seed, random bytes, a truncation and a copy with a few bytes overwritten."""
+    for seed in range(seeds):
+        rng = random.Random(seed)
+        flipped = bytearray(good)
+        for _ in range(5):
+            flipped[rng.randrange(len(flipped))] = rng.randrange(256)
+        yield "random", rng.randbytes(rng.randrange(1, 2 * len(good)))
+        yield "truncated", good[:rng.randrange(len(good))]
+        yield "overwritten", bytes(flipped)
+
+
+def test_any_corrupt_trainer_state_is_a_clear_error(tmp_path):
+    # garbage once reached the weights-only unpickler's IndexError/KeyError, a traceback instead of one line
+    good = tmp_path / "good.pt"
+    torch.save({"step": 3, "optimizer": {"state": {0: {"exp_avg": torch.randn(8)}}}, "scheduler": {"last_epoch": 3},
+                "rng": {"torch": torch.get_rng_state()}, "config": {"lr": 1e-3}}, good)
+    bad = tmp_path / "bad.pt"
+    for kind, data in corruptions(good.read_bytes(), seeds=300):
+        bad.write_bytes(data)
+        try:
+            state = load_trainer_state(bad)
+        except DartInputError as err:
+            assert str(bad) in str(err) and "\n" not in str(err)
+        else:  # a byte inside tensor data changes a value, which no reader can see
+            assert kind == "overwritten" and state["step"] == 3
+
+
+def test_any_corrupt_shard_is_a_clear_error(tmp_path):
+    # a damaged .npy header once reached numpy's tokenizer error, a traceback instead of one line
+    good = tmp_path / "good.npz"
+    write_shard(good, [np.arange(40) % 7, np.arange(25) % 5], [3, 4])
+    bad = tmp_path / "bad.npz"
+    for _, data in corruptions(good.read_bytes(), seeds=300):
+        bad.write_bytes(data)
+        with pytest.raises(DartInputError, match="bad.npz"):
+            read_shard(bad)
 
 
 def test_a_head_config_cannot_point_at_files_outside_its_directory(tmp_path):
@@ -223,7 +264,7 @@ def test_a_head_config_cannot_point_at_files_outside_its_directory(tmp_path):
 
 # ---- one line instead of a traceback ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("damage,message", [
-    (lambda b: os.urandom(len(b)), "not a readable data shard"),
+    (lambda b: random.Random(0).randbytes(len(b)), "not a readable data shard"),
     (lambda b: b[: len(b) // 2], "not a readable data shard"),
     (lambda b: b"", "not a readable data shard"),
 ])
