@@ -477,6 +477,7 @@ class Trainer:
         self.cfg = cfg
         # with a time budget, `run` fits the step count (kept by checkpoints); until then the schedule is open-ended
         self.total_steps = cfg.steps if cfg.time_budget is None else UNFITTED_STEPS
+        self.resumed_total_steps: Optional[int] = None  # the schedule's end in the checkpoint a run resumed from
         self.dist, self.device = init_distributed(cfg.device)
         self.out = Path(cfg.out)
         sequences = load_sequences(cfg.data)
@@ -514,8 +515,9 @@ class Trainer:
             head = HEAD_CLASSES[cfg.mode].from_pretrained(ckpt, load_ngram=False)
             self.start_step = int(resume_state["step"])
             self.head_precision = self.head_precision or resume_state.get("head_precision")  # as it was trained
+            self.resumed_total_steps = int(resume_state.get("total_steps", cfg.steps))
             if cfg.time_budget is None:
-                self.total_steps = int(resume_state.get("total_steps", cfg.steps))
+                self.total_steps = self.resumed_total_steps
         else:
             head = build_head(model, cfg, self.train_sequences)
         head.to(self.device)
@@ -539,7 +541,7 @@ class Trainer:
                 broadcast_buffers=False)
         self.optimizer = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: lr_factor(s, cfg.warmup_steps, self.total_steps))
+            self.optimizer, lambda s: lr_factor(s, cfg.warmup_steps, self.schedule_end()))
         self.evals_done = 0
         if resume_state is not None:
             self.optimizer.load_state_dict(resume_state["optimizer"])
@@ -556,6 +558,13 @@ class Trainer:
             if resume_state is not None:  # drop log lines of steps after the checkpoint: they are redone
                 for name in ("train.jsonl", "eval.jsonl"):
                     truncate_log(self.out / name, self.start_step)
+
+    def schedule_end(self) -> int:
+        """The step the cosine schedule ends at. Until a time budget's first fit, a resumed run keeps its checkpoint's
+        schedule (its rate does not jump back to the peak for the steps the budget times)."""
+        if self.total_steps == UNFITTED_STEPS and self.resumed_total_steps is not None:
+            return self.resumed_total_steps
+        return self.total_steps
 
     # -- data order: a pure function of (seed, step), so resuming needs only the step
     def samples_for(self, step: int) -> list[tuple[np.ndarray, int]]:

@@ -520,6 +520,18 @@ def test_time_budget_fits_the_schedule_and_ends_with_a_saved_head(tiny_run, tmp_
         _config(root, tmp_path / "x", time_budget=0).validate()
 
 
+def test_a_budgeted_resume_keeps_the_checkpoint_schedule_until_it_fits_its_own(tiny_run, tmp_path):
+    # the steps a resumed budget times before fitting once ran at the peak rate, even after a finished schedule
+    root, target = tiny_run
+    out = tmp_path / "run"
+    train(_config(root, out, steps=8, log_every=1), model=target)  # the cosine schedule ends at step 8
+    train(_config(root, out, steps=8, log_every=1, resume=True, time_budget=4.0), model=target)
+    log = [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
+    fitted_at = next(r["step"] for r in log if "fitted_steps" in r)
+    before_fit = [r["lr"] for r in log if 8 < r["step"] < fitted_at and "lr" in r]
+    assert before_fit and all(lr == 0.0 for lr in before_fit), before_fit
+
+
 def test_length_buckets_keep_padding_small_and_cover_each_window_once(tmp_path):
     lengths = torch.randint(3, 200, (320,), generator=torch.Generator().manual_seed(0)).tolist()
     data = tmp_path / "data"
