@@ -18,14 +18,14 @@ from dart_bench.methods import (EAGLE3_SEARCHES, METHODS, PROMPT_LOOKUP_TOKENS, 
 from dart_bench.prompts import (DATA_DIR, DEMO_PROMPT, PROMPT_SETS, chat_batch, chat_ids, encode_prompts,
                                 gsm8k_few_shot, load_prompt_sets, prompt_set, prompts_from_file, read_prompt_rows)
 from dart_bench.report import markdown_table, write_charts, write_report
-from dart_bench.results import environment, git_commit, machine_info, write_results
+from dart_bench.results import cpu_description, environment, git_commit, machine_info, write_results
 from dart_bench.script import script_parser
 from dart_bench.timing import (Clock, Progress, TargetMeter, interleave, median_range, median_seconds, repeat_seconds,
                                timed, timed_generate)
 from dart_bench.trees import calibrated_tree, decoding_tree
 
 __all__ = ["BenchConfig", "Clock", "DATA_DIR", "DEMO_PROMPT", "EAGLE3_SEARCHES", "METHODS", "PROMPT_LOOKUP_TOKENS",
-           "PROMPT_SETS", "Progress", "Run", "TargetMeter", "calibrated_tree", "chat_batch", "chat_ids",
+           "PROMPT_SETS", "Progress", "Run", "TargetMeter", "calibrated_tree", "chat_batch", "chat_ids", "cpu_description",
            "dart_vs_eagle3", "decoding_tree", "encode_prompts", "environment", "first_difference", "generate_kwargs",
            "git_commit", "gsm8k_few_shot", "interleave", "load_prompt_sets", "machine_info", "markdown_table",
            "median_range", "median_seconds", "prompt_set", "prompts_from_file", "read_prompt_rows", "repeat_seconds",

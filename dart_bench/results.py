@@ -73,4 +73,24 @@ def environment(device: torch.device, checkout: Path) -> dict:
                    device_capability=".".join(map(str, torch.cuda.get_device_capability(device))))
     else:
         env["device_name"] = platform.processor() or platform.machine() or device.type
+        env["cpu"] = cpu_description()
     return env
+
+
+# the CPU flags that decide which kernels win on the CPU (x86: vector width, bfloat16 and matrix units)
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_tile", "neon", "sve")
+
+
+def cpu_description() -> dict:
+    """`lscpu`'s model name, family, model and cores, and which of `CPU_FLAGS` the CPU has (empty where `lscpu` is
+    missing): the name every CPU figure is given with."""
+    try:
+        text = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    flags = set(fields.get("Flags", "").split())
+    return {"model_name": fields.get("Model name", ""), "family": fields.get("CPU family", ""),
+            "model": fields.get("Model", ""), "cpus": fields.get("CPU(s)", ""),
+            "flags": [f for f in CPU_FLAGS if f in flags]}

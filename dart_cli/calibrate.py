@@ -30,7 +30,7 @@ def add_calibrate(sub) -> None:
 def _run_calibrate(args: argparse.Namespace) -> int:
     from dart_core import DartHead
     from dart_core.config import ACCEPTANCE_KEY, CONFIG_NAME
-    from dart_core.io import atomic_write, read_json_object
+    from dart_core.io import atomic_write, check_rewritable, read_json_object
     from dart_cli.train import read_prompts
     from dart_hf import enable
     from dart_hf.calibration import DEFAULT_PROMPTS, measure_acceptance
@@ -42,14 +42,17 @@ def _run_calibrate(args: argparse.Namespace) -> int:
     config_file = os.path.join(args.head, CONFIG_NAME)
     if not os.path.isfile(config_file):
         raise FileNotFoundError(f"DART head directory not found: no {CONFIG_NAME} in {args.head}")
+    check_rewritable(config_file)  # before the measurement: a link is never replaced by a copy
     set_threads(args.threads)
     prompts = read_prompts(args.prompts, "prompt") if args.prompts else list(DEFAULT_PROMPTS)
     model, tokenizer = load_target(args.target, "cpu", with_tokenizer=True)
     param = next(model.parameters())
-    head = DartHead.from_pretrained(args.head, dtype=default_head_dtype(param.dtype, param.device))
+    head = DartHead.from_pretrained(args.head, device=param.device)
+    head.to(dtype=default_head_dtype(head, param.dtype, param.device))
     head.set_input_embeddings(model.get_input_embeddings())
     curve = measure_acceptance(enable(model), tokenizer, head.eval(), prompts, max_nodes=args.max_nodes,
                                max_new_tokens=args.max_new_tokens, progress=True)
+    check_rewritable(config_file)
     config = read_json_object(config_file)
     config[ACCEPTANCE_KEY] = curve.to_dict()
     with atomic_write(config_file, "w") as fh:

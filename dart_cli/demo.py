@@ -4,6 +4,7 @@ weights, no model (`core_demo`)."""
 
 from __future__ import annotations
 
+import collections
 import statistics
 from typing import Optional
 
@@ -74,14 +75,15 @@ DEFAULT_PROMPT = DEMO_PROMPT
 
 def model_demo(prompt: str = DEFAULT_PROMPT, max_new_tokens: int = 128, repeats: int = 3, calibrate: bool = False,
                head_dir: Optional[str] = None, remain_total: Optional[int] = None, dtype: str = "float32") -> dict:
-    """The main job: `dart_hf.load_default()` in `dtype`, stream a greedy DART completion of `prompt` (chat template),
-    then time plain `generate()` and DART on it (one warm-up each, median of `repeats`) and compare the outputs.
+    """The main job: `dart_hf.load_default()` in `dtype` with the head attached (`dart_hf.enable(model, head)`), a
+    streamed greedy completion of `prompt` (chat template), then plain `generate()` and DART timed on it in
+    alternation (`repeats` each, after the streamed run as warm-up; medians) and the outputs compared.
 
-    The tree size is the one chosen for this machine (`dart_hf.tree_choice`: the head's acceptance curve and this
-    machine's cost, measured at first use and cached); `calibrate` measures the head's acceptance curve again first;
-    `remain_total` overrides the size. float32 output must equal plain's token for token; in bfloat16 / float16 a tree
-    forward rounds differently from a one-token forward, so the first new token where the two part is reported.
-    Returns the numbers it printed.
+    Each DART step's tree is chosen by what DART measures while it runs (`dart_hf.controller`; the first call
+    measures this machine once); where no tree pays, the attached head decodes plain. `calibrate` measures the
+    head's acceptance curve again first; `remain_total` fixes the tree instead. float32 output must equal plain's
+    token for token; in bfloat16 / float16 a tree forward rounds differently from a one-token forward, so the first
+    new token where the two part is reported. Returns the numbers it printed.
     """
     import dataclasses
 
@@ -89,59 +91,48 @@ def model_demo(prompt: str = DEFAULT_PROMPT, max_new_tokens: int = 128, repeats:
 
     import dart_hf
     from dart_bench import first_difference
-    from dart_hf.calibration import base_tree_config, tree_choice
+    from dart_hf.calibration import base_tree_config
 
     model, tokenizer, head = dart_hf.load_default(head_dir, target_dtype=DEMO_DTYPES[dtype])
     if calibrate:
         print("dart-spec demo: measuring the head's acceptance and this machine's cost (about a minute)", flush=True)
-        dart_hf.calibrate(model, tokenizer, head, progress=True)
-    choice = tree_choice(model, head)
-    if calibrate and choice is not None:
-        print(choice.format_table())
-    tree_config = base_tree_config(model, head)
-    if remain_total is not None:
-        tree_config, source = dataclasses.replace(tree_config, remain_total=remain_total), "--remain-total"
-    elif choice is not None:
-        tree_config, source = choice.tree_config, f"chosen for this machine, expected {choice.expected_speedup:.2f}x"
-    else:
-        source = "the head's own: it ships no acceptance curve (`dart-spec demo --calibrate` measures one)"
+        choice = dart_hf.calibrate(model, tokenizer, head, progress=True)
+        if choice is not None:
+            print(choice.format_table())
+    fixed = None if remain_total is None else dataclasses.replace(base_tree_config(model, head),
+                                                                  remain_total=remain_total)
+    dart_hf.enable(model, head, tree_config=fixed)
     threads = torch.get_num_threads()
     device = next(model.parameters()).device
+    trees = f"a fixed tree of {remain_total} draft nodes" if fixed is not None else \
+        "each step's tree chosen by what DART measures here"
     print(f"dart-spec demo: SmolLM2-135M-Instruct ({dtype}, {device}, {threads} "
           f"thread{'s' if threads > 1 else ''}) + DART head ({str(head.fc.weight.dtype).replace('torch.', '')}, "
-          f"D={head.config.draft_length}, draft vocab "
-          f"{head.config.draft_vocab_size}, {'no n-gram' if head.ngram is None else f'{head.ngram.order}-gram'}); "
-          f"tree of {tree_config.remain_total} draft nodes ({source})")
-    if choice is not None and not choice.pays and remain_total is None:
-        print(f"dart-spec demo: no tree beats plain decoding on this machine in {dtype} ({choice.summary()}); a head "
-              "attached with dart_hf.enable() decodes plain here. DART at that tree is timed below anyway.")
+          f"D={head.config.draft_length}, draft vocab {head.config.draft_vocab_size}, "
+          f"{'no n-gram' if head.ngram is None else f'{head.ngram.order}-gram'}); {trees}")
     ids = chat_ids(tokenizer, prompt, device)
     common = dict(max_new_tokens=max_new_tokens, do_sample=False)
     print(f"prompt: {prompt}\n")
-    # the streamed run is DART's warm-up
-    streamed = model.generate(ids, attention_mask=torch.ones_like(ids), dart_head=head, dart_tree_config=tree_config,
+    # the streamed run is DART's warm-up (and the first call's measurement of this machine)
+    streamed = model.generate(ids, attention_mask=torch.ones_like(ids),
                               streamer=TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True), **common)
     print(flush=True)
-
-    def rates(runs: int, **kwargs) -> tuple[list[float], torch.Tensor]:
-        """tokens/s of `runs` calls, and the last output"""
-        rates, out = [], None
-        for _ in range(runs):
-            out, seconds = timed_generate(model, ids, **common, **kwargs)
-            rates.append((out.shape[1] - ids.shape[1]) / seconds)
-        return rates, out
-
-    rates(1)  # plain warm-up
-    plain_rates, plain = rates(repeats)
-    dart_rates, dart = rates(repeats, dart_head=head, dart_tree_config=tree_config)
-    stats = model.dart_stats
+    timed_generate(model, ids, dart_head=False, **common)  # plain's warm-up
+    rates: dict[str, list[float]] = {"plain": [], "dart": []}
+    outputs, stats = {}, []
+    for _ in range(repeats):  # alternated, so that a slow spell of the machine hits both alike
+        for name, extra in (("plain", {"dart_head": False}), ("dart", {})):
+            outputs[name], seconds = timed_generate(model, ids, **common, **extra)
+            rates[name].append((outputs[name].shape[1] - ids.shape[1]) / seconds)
+            if name == "dart":
+                stats.append(model.dart_stats)
+    plain, dart = outputs["plain"], outputs["dart"]
     parted = first_difference(plain[0, ids.shape[1]:], dart[0, ids.shape[1]:])
     identical = parted is None and torch.equal(dart, streamed)
-    plain_rate, dart_rate = statistics.median(plain_rates), statistics.median(dart_rates)
+    plain_rate, dart_rate = statistics.median(rates["plain"]), statistics.median(rates["dart"])
     new_tokens = plain.shape[1] - ids.shape[1]
     print(f"plain generate(): {plain_rate:6.1f} tokens/s (median of {repeats}, {new_tokens} tokens, greedy)")
-    print(f"DART:             {dart_rate:6.1f} tokens/s (tau {stats.tau:.2f} tokens per verify step, tree of "
-          f"{stats.tree_nodes - 1} draft nodes)")
+    print(f"DART:             {dart_rate:6.1f} tokens/s ({describe_steps(stats)})")
     if identical:
         agreement = "identical (token for token)"
     elif dtype == "float32":
@@ -150,10 +141,29 @@ def model_demo(prompt: str = DEFAULT_PROMPT, max_new_tokens: int = 128, repeats:
         agreement = (f"equal for the first {parted} of {new_tokens} new tokens (in {dtype} a tree forward rounds "
                      "differently from a one-token forward; near-ties can part, as with prompt lookup)")
     print(f"speedup {dart_rate / plain_rate:.2f}x; outputs {agreement}")
+    last = next((s for s in reversed(stats) if s is not None), None)
     return {"plain_tokens_per_s": plain_rate, "dart_tokens_per_s": dart_rate, "speedup": dart_rate / plain_rate,
-            "tau": stats.tau, "tree_nodes": stats.tree_nodes - 1, "new_tokens": new_tokens, "identical": identical,
-            "first_difference": parted, "dtype": dtype,
-            "expected_speedup": None if choice is None else choice.expected_speedup}
+            "tau": None if last is None else last.tau,
+            "tree_sizes": None if last is None else last.tree_sizes, "new_tokens": new_tokens,
+            "identical": identical, "first_difference": parted, "dtype": dtype}
+
+
+def describe_steps(stats: list) -> str:
+    """What the timed DART calls did: tau and the tree sizes of their steps, or that they ran plain."""
+    ran = [s for s in stats if s is not None]
+    if not ran:
+        return "every call ran as plain generate(): no tree beats plain decoding on this machine"
+    sizes = [r for s in ran for r in s.tree_sizes]
+    trees = collections.Counter(r for r in sizes if r)
+    plain_steps = sizes.count(0)
+    common = ", ".join(f"{r} nodes x{n}" for r, n in trees.most_common(3))
+    tau = statistics.median(s.tau for s in ran if s.steps) if any(s.steps for s in ran) else 1.0
+    parts = [f"tau {tau:.2f} tokens per verify step", f"trees: {common or 'none'}"]
+    if plain_steps:
+        parts.append(f"{plain_steps} plain steps of {len(sizes)}")
+    if len(ran) < len(stats):
+        parts.append(f"{len(stats) - len(ran)} of {len(stats)} calls ran plain")
+    return "; ".join(parts)
 
 
 DEMO_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

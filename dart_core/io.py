@@ -56,6 +56,21 @@ def make_temp_dir(parent: str | os.PathLike, prefix: str) -> str:
     return tmp
 
 
+def check_rewritable(path: str) -> None:
+    """Before `path` is rewritten in place by an atomic replace: refuse a symbolic link or a file with other hard
+    links (a Hugging Face cache snapshot's files are links into its blob store), which the replace would turn into a
+    separate regular file while the file they point to, or share, kept the old content. DartInputError says why."""
+    if os.path.islink(path):
+        raise DartInputError(f"{path} is a symbolic link (to {os.path.realpath(path)}): rewriting it would replace the "
+                             "link with a copy and leave the file it points to unchanged, and writing through it would "
+                             "change a file other links may share (as in a Hugging Face cache snapshot). Copy the "
+                             "directory with its files (cp -rL) and run on the copy")
+    if os.path.isfile(path) and os.stat(path).st_nlink > 1:
+        raise DartInputError(f"{path} has {os.stat(path).st_nlink - 1} other hard link(s): rewriting it would give "
+                             "it a copy of its own and leave the others unchanged. Copy the directory and run on the "
+                             "copy")
+
+
 @contextlib.contextmanager
 def atomic_write(path: str, mode: str = "wb") -> Iterator:
     """Open a temp file beside `path`; on success it replaces `path`, on error it is removed."""

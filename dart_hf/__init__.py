@@ -9,12 +9,15 @@
   `DartCandidateGenerator` (a linear chain per step).
 - `dart_decoding`: the tree loop as a `custom_generate` callable for models that are not enabled.
 - `load_smollm2()`: the offline SmolLM2-135M-Instruct target; `load_default()`: it plus the shipped DART head.
-- `tree_choice(model, head)`: the tree size that decodes fastest here, from the head's shipped acceptance curve and
-  this machine's cost (measured at the first call, cached); every DART call without `dart_tree_config` uses it.
-  `calibrate(model, tokenizer, head)` measures a head's acceptance curve (module `dart_hf.calibration`).
+- Each DART call without `dart_tree_config` chooses every step's tree from what DART measures while it runs
+  (`dart_hf.controller`: the head's acceptance curve and this machine's first-call cost as priors, then every call's
+  own step times and accepted lengths); an attached head decodes plain where DART does not pay.
+  `tree_choice(model, head)` is the current choice; `calibrate(model, tokenizer, head)` measures a head's
+  acceptance curve (`dart_hf.calibration`).
 """
 
-from dart_hf.calibration import MachineCost, TreeChoice, calibrate, tree_choice
+from dart_hf.calibration import DartCacheWarning, MachineCost
+from dart_hf.controller import TreeChoice, calibrate, tree_choice
 from dart_hf.candidate import DartCandidateGenerator
 from dart_hf.default import load_default
 from dart_hf.enable import DartFallbackWarning, DartGenerationMixin, enable
@@ -22,6 +25,6 @@ from dart_hf.loop import DartStats, NotApplicable, dart_decoding, last_stats
 from dart_hf.outputs import DartGenerateOutput
 from dart_hf.smollm2 import load_smollm2
 
-__all__ = ["DartCandidateGenerator", "DartFallbackWarning", "DartGenerateOutput", "DartGenerationMixin", "DartStats",
+__all__ = ["DartCacheWarning", "DartCandidateGenerator", "DartFallbackWarning", "DartGenerateOutput", "DartGenerationMixin", "DartStats",
            "MachineCost", "NotApplicable", "TreeChoice", "calibrate", "dart_decoding", "enable", "last_stats",
            "load_default", "load_smollm2", "tree_choice"]

@@ -1,8 +1,6 @@
-"""The tree size (`TreeConfig.remain_total`) that decodes fastest on this machine, chosen from the first call.
+"""What DART's speed decisions start from: a head's acceptance curve and this machine's cost of a verify step.
 
-A bigger tree accepts more tokens per step but costs a bigger verify forward. On a GPU a forward over 61 tokens costs
-about as much as one over 1 token; on a CPU it can cost several times a single-token step, and whether any tree pays
-depends on the CPU, the dtype and the thread count. The choice splits along what each part depends on:
+The tree size each step verifies is decided while DART runs (`dart_hf.controller`); these measurements are its prior.
 
 Acceptance, tau(R): the head and the target only, so it is measured once when a head is made (`measure_acceptance`,
 `dart-spec calibrate`, `dart-spec train`) and shipped in the head's config.json (`dart_core.AcceptanceCurve`). The
@@ -16,24 +14,23 @@ a large tree (R_max = 60) that records these ranks (`DartStats.accepted_ranks`) 
 exactly per step (tested against real R-node runs from the same states); over a run it is an estimate, since a
 smaller tree's later steps start elsewhere.
 
-Cost: the machine, dtype, threads, target and head, so it is measured at first use in a few seconds
-(`measure_machine_cost`, one line on stderr) and cached. `t_verify(k)`: one target forward over k new tokens on a
-256-token cache, the way the tree loop runs it (4D tree mask, tapped hidden states, its kernels), at k = 1, 2, 4, ...,
-R_max + 1, made non-decreasing in k (pool-adjacent-violators: a dip is noise) and interpolated linearly; `t_plain`:
-one plain 1-token forward on the same cache; the head forward, tree search and the rest of a step (acceptance, cache
-compaction) per step from a short DART run (they hardly depend on R).
-
-Choice. R* = argmax over the curve's R of  tau(R) / (t_head + t_tree + t_rest + t_verify(R + 1))  (ties: the smaller
-R); the expected speedup over plain decoding is that rate times t_plain. Where it is below 1, no tree pays on this
-machine: a head attached with `dart_hf.enable` decodes plain (one `DartFallbackWarning` with the numbers).
+Cost (`MachineCost`): the machine, dtype, threads, target and head, measured at the first use of a head on a target
+in a few seconds (`measure_machine_cost`, one line on stderr) and cached. `t_verify(k)`: one target forward over k
+new tokens on a 256-token cache, the way the tree loop runs it (4D tree mask, tapped hidden states, its kernels), at
+k = 1, 2, 4, ..., R_max + 1, made non-decreasing in k (pool-adjacent-violators: a dip is noise) and interpolated
+linearly; `t_plain`: one plain 1-token forward on the same cache; the head forward, tree search and the rest of a step
+(acceptance, cache compaction) per step from a short DART run that decodes its full length whatever the target's EOS
+(they hardly depend on R). A measurement that cannot be made (a run without verify steps, a time that is not a
+positive number) raises `DartInputError`; nothing empty or absurd is cached.
 
 Cache: `$DART_SPEC_CACHE/machine/` (default `~/.cache/dart-spec/machine/`), one JSON per hash of the device (CPU model
 string and core count, or CUDA device name), torch's thread count, the target (config, dtype, attention) and the head
-(config, weights, search settings other than `remain_total`).
+(config, weights, search settings other than `remain_total`). A cache that cannot be read or written (a read-only
+home, a path under a regular file) never fails a call: the value lives in memory for the process, after one
+`DartCacheWarning`; a file whose values do not validate is ignored with one warning and measured again.
 
-    choice = dart_hf.tree_choice(model, head)                 # acceptance shipped with the head, cost measured/cached
-    tree = dart_hf.calibrate(model, tokenizer, head)          # measure both now (a minute): head.acceptance is set
-    head.save_pretrained(path)                                # ships the acceptance curve with the head
+    cost = dart_hf.calibration.machine_cost(model, head)      # measured once per machine setting, then cached
+    curve = dart_hf.calibration.measure_acceptance(model, tokenizer, head)   # head.acceptance = curve; save_pretrained
 """
 
 from __future__ import annotations
@@ -48,10 +45,8 @@ import os
 import platform
 import statistics
 import sys
-import threading
 import time
 import warnings
-import weakref
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
@@ -62,10 +57,9 @@ from dart_core.errors import DartInputError
 from dart_core.io import atomic_write, cache_root
 from dart_runtime.timing import interleaved_seconds, now
 from dart_hf.compat import attention_implementation
-from dart_hf.enable import DartGenerationMixin
-from dart_hf.loop import DartStats, dart_decoding, last_stats
-from dart_hf.target import (keep_accepted_path, plan_for, tree_attention_mask,
-                            tree_forward, tree_forwards, tree_settings)
+from dart_hf.loop import DartStats, dart_decoding, is_enabled, last_stats
+from dart_hf.target import (attention_layout, keep_accepted_path, plan_for, sliding_dropped, tree_attention_mask,
+                            tree_forward, tree_forwards, tree_settings, whole_sliding_layers)
 
 FORMAT_VERSION = 4  # 4: the machine cost alone (acceptance ships with the head)
 LATENCY_GRID = (1, 2, 4, 8, 16, 32, 64)
@@ -79,13 +73,23 @@ DEFAULT_PROMPTS = (
     "List five tips for writing clear emails.",
 )
 COST_RUN_TOKENS = 24  # new tokens of the short DART run that times the head, the tree search and the rest of a step
+COST_RUN_STEPS = 3  # verify steps that run must make: whatever the head drafts, a step of its 8-node tree yields <= 9
+
+
+def _positive(value, name: str, zero_ok: bool = False) -> float:
+    """`value` as a float when it is a finite number > 0 (>= 0 with `zero_ok`); DartInputError naming it otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value < 0 or (value == 0 and not zero_ok):
+        raise DartInputError(f"{name} is {value!r}, not a finite number {'>= 0' if zero_ok else '> 0'}")
+    return float(value)
 
 
 @dataclasses.dataclass
 class MachineCost:
     """What a verify step costs on this machine for one target and head, in milliseconds: `verify_ms` {k: one tree
     forward over k new tokens}, `plain_ms` (one plain 1-token forward), per step `head_ms`, `tree_ms` and `rest_ms`
-    (acceptance and cache compaction); measured on a `context_length`-token cache in `seconds`."""
+    (acceptance and cache compaction); measured on a `context_length`-token cache in `seconds`. Every time is checked
+    on construction: finite numbers, the forwards' > 0, the rest >= 0."""
 
     verify_ms: dict[int, float]
     plain_ms: float
@@ -98,10 +102,34 @@ class MachineCost:
     created: str = ""
     version: int = FORMAT_VERSION
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.verify_ms, dict) or not self.verify_ms:
+            raise DartInputError("verify_ms must be a non-empty {tokens: ms} mapping")
+        verify = {}
+        for k, ms in self.verify_ms.items():
+            if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+                raise DartInputError(f"verify_ms has a token count {k!r}, not an integer >= 1")
+            verify[k] = _positive(ms, f"verify_ms[{k}]")
+        self.verify_ms = dict(sorted(verify.items()))
+        self.plain_ms = _positive(self.plain_ms, "plain_ms")
+        for name in ("head_ms", "tree_ms", "rest_ms"):
+            setattr(self, name, _positive(getattr(self, name), name, zero_ok=True))
+        self.seconds = _positive(self.seconds, "seconds", zero_ok=True)
+        if isinstance(self.context_length, bool) or not isinstance(self.context_length, int) \
+                or self.context_length < 1:
+            raise DartInputError(f"context_length is {self.context_length!r}, not an integer >= 1")
+        if not isinstance(self.identity, dict) or not isinstance(self.created, str):
+            raise DartInputError("identity must be an object and created a string")
+
     @property
     def fixed_ms(self) -> float:
         """Per step, everything but the verify forward."""
         return self.head_ms + self.tree_ms + self.rest_ms
+
+    def verify_at(self, k: float) -> float:
+        """Milliseconds of one verify forward over `k` new tokens: the measured curve made non-decreasing
+        (`monotone`), interpolated linearly (extrapolated past its ends)."""
+        return interpolate(monotone(self.verify_ms), k)
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
@@ -121,59 +149,16 @@ class MachineCost:
         if missing:
             raise DartInputError(f"missing {', '.join(missing)}")
         data = {k: v for k, v in raw.items() if k in known}
+        if not isinstance(data["verify_ms"], dict):
+            raise DartInputError("verify_ms is not an object")
         try:
-            data["verify_ms"] = {int(k): float(v) for k, v in raw["verify_ms"].items()}
-            result = cls(**data)
-            times = [result.plain_ms, result.head_ms, result.tree_ms, result.rest_ms, *result.verify_ms.values()]
-            valid = all(math.isfinite(float(t)) and float(t) >= 0 for t in times) and result.verify_ms
-        except (AttributeError, TypeError, ValueError) as err:
-            raise DartInputError(f"malformed field ({type(err).__name__}: {err})") from None
-        if not valid or not isinstance(result.identity, dict) or min(result.verify_ms) < 1:
-            raise DartInputError("malformed times or identity")
-        return result
+            data["verify_ms"] = {int(k): v for k, v in data["verify_ms"].items()}
+        except ValueError as err:
+            raise DartInputError(f"verify_ms has a key that is not an integer ({err})") from None
+        return cls(**data)
 
 
-@dataclasses.dataclass
-class TreeChoice:
-    """The tree size chosen for this machine: `remain_total`, its `tree_config`, the `expected_speedup` over plain
-    decoding, one row per tree size of the acceptance curve {remain_total, tau, verify_ms, step_ms, tokens_per_s,
-    speedup}, and the cost it rests on. `pays`: whether any tree beats plain decoding here."""
-
-    remain_total: int
-    tree_config: TreeConfig
-    expected_speedup: float
-    rows: list[dict]
-    cost: MachineCost
-
-    @property
-    def pays(self) -> bool:
-        return self.expected_speedup > 1.0
-
-    def summary(self) -> str:
-        """One line: the choice and the numbers behind it."""
-        return (f"tree of {self.remain_total} draft nodes, expected {self.expected_speedup:.2f}x over plain (one plain "
-                f"step {self.cost.plain_ms:.1f} ms; a step with this tree {self._row()['step_ms']:.1f} ms for tau "
-                f"{self._row()['tau']:.2f})")
-
-    def _row(self) -> dict:
-        return next(row for row in self.rows if row["remain_total"] == self.remain_total)
-
-    def format_table(self) -> str:
-        """A plain-text table: the latency curve, then tau, step time and expected speedup per tree size."""
-        cost = self.cost
-        lines = [f"target forward over k new tokens on a {cost.context_length}-token cache (median ms):",
-                 "  " + "  ".join(f"k={k}: {ms:.1f}" for k, ms in sorted(cost.verify_ms.items())),
-                 f"plain 1-token forward {cost.plain_ms:.1f} ms; per step: head {cost.head_ms:.1f} ms, "
-                 f"tree search {cost.tree_ms:.1f} ms, acceptance + KV compaction {cost.rest_ms:.1f} ms",
-                 f"{'nodes':>5} {'tau':>6} {'verify ms':>9} {'step ms':>8} {'tok/s':>7} {'speedup':>7}"]
-        for row in self.rows:
-            mark = "  <- chosen" if row["remain_total"] == self.remain_total else ""
-            lines.append(f"{row['remain_total']:5d} {row['tau']:6.3f} {row['verify_ms']:9.1f} {row['step_ms']:8.1f} "
-                         f"{row['tokens_per_s']:7.1f} {row['speedup']:6.2f}x{mark}")
-        return "\n".join(lines)
-
-
-# ---- the rule ---------------------------------------------------------------------------------------------------
+# ---- the latency curve ----------------------------------------------------------------------------------------
 
 def interpolate(points: dict[int, float], k: float) -> float:
     """Piecewise-linear interpolation of measured `points` {k: value}; linear extrapolation past the ends."""
@@ -206,26 +191,6 @@ def monotone(points: dict[int, float]) -> dict[int, float]:
     return dict(zip(sorted(points), values))
 
 
-def choose_tree_size(tau: dict[int, float], verify_s: dict[int, float], fixed_s: float,
-                     plain_s: float) -> tuple[int, list[dict]]:
-    """R* = argmax_R tau(R) / (fixed_s + t_verify(R + 1)); ties go to the smaller R.
-
-    tau {R: tau(R)}; verify_s {k: seconds of a verify forward over k tokens} (made non-decreasing in k, then
-    interpolated); fixed_s: per-step head + tree search + the rest of a verify step; plain_s: one plain decoding step.
-    Returns (R*, one row per R).
-    """
-    verify_s = monotone(verify_s)
-    rows = []
-    for r in sorted(tau):
-        verify = interpolate(verify_s, r + 1)
-        step = fixed_s + verify
-        rate = tau[r] / step
-        rows.append({"remain_total": r, "tau": tau[r], "verify_ms": verify * 1e3, "step_ms": step * 1e3,
-                     "tokens_per_s": rate, "speedup": rate * plain_s})
-    best = max(rows, key=lambda row: (row["tokens_per_s"], -row["remain_total"]))
-    return best["remain_total"], rows
-
-
 # ---- measurements ----------------------------------------------------------------------------------------------------
 
 @torch.no_grad()
@@ -249,13 +214,14 @@ def measure_latency(model, sizes: Iterable[int], layer_ids: Sequence[int] = (), 
     context = torch.randint(0, vocab, (1, context_length), generator=gen).to(device)
     block = torch.randint(0, vocab, (1, max(sizes)), generator=gen).to(device)
     cache = DynamicCache(config=model.config)
-    model(input_ids=context, past_key_values=cache, use_cache=True)
+    layout = attention_layout(model)
     no_nodes = torch.zeros(1, 0, dtype=torch.long, device=device)
     past_columns = torch.ones(1, context_length, dtype=torch.bool, device=device)
 
     def verify(k: int) -> None:
         chain = torch.ones(1, k, k, dtype=torch.bool, device=device).tril()  # the shape matters, not the tree
-        mask = tree_attention_mask(chain, past_columns, dtype)
+        depths = torch.arange(k, device=device)[None]
+        mask = tree_attention_mask(chain, past_columns, dtype, depths, layout, sliding_dropped(cache, context_length))
         positions = torch.arange(context_length, context_length + k, device=device)[None]
         tree_forward(model, block[:, :k], positions, mask, cache, tuple(layer_ids)).logits.float()
 
@@ -275,8 +241,10 @@ def measure_latency(model, sizes: Iterable[int], layer_ids: Sequence[int] = (), 
         bar.update()
 
     try:
-        # round robin, so that a slow spell of the machine hits every size alike; the first round is a warm-up
-        times = interleaved_seconds(runs, repeats, warmup=1, sync=device, around=kernels, after=compact)
+        with whole_sliding_layers(cache):  # as in the loop: sliding-window layers keep the blocks until compaction
+            model(input_ids=context, past_key_values=cache, use_cache=True)
+            # round robin, so that a slow spell of the machine hits every size alike; the first round is a warm-up
+            times = interleaved_seconds(runs, repeats, warmup=1, sync=device, around=kernels, after=compact)
     finally:
         bar.close()
     plain_s = statistics.median(times.pop(0))
@@ -300,8 +268,9 @@ class _CountingStreamer:
 
 
 def acceptance_run(model, head: DartHead, prompts: Sequence[torch.Tensor], tree_config: TreeConfig,
-                   max_new_tokens: int = 64, progress: Optional[bool] = None) -> DartStats:
-    """Greedy DART decoding of every prompt ([1, n] ids) with `tree_config`; the merged statistics."""
+                   max_new_tokens: int = 64, progress: Optional[bool] = None, **generate_kwargs) -> DartStats:
+    """Greedy DART decoding of every prompt ([1, n] ids) with `tree_config` (more `generate()` arguments in
+    `generate_kwargs`); the merged statistics."""
     from tqdm.auto import tqdm
 
     merged = DartStats()
@@ -314,9 +283,9 @@ def acceptance_run(model, head: DartHead, prompts: Sequence[torch.Tensor], tree_
             decode = functools.partial(dart_decoding, dart_head=head, dart_tree_config=tree_config,
                                        dart_streamer=_CountingStreamer(bar))
             # an attached head's generate() would decline another custom_generate: this call is the model's own
-            own = {"dart_head": False} if isinstance(model, DartGenerationMixin) else {}
+            own = {"dart_head": False} if is_enabled(model) else {}
             model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-                           custom_generate=decode, **own)
+                           custom_generate=decode, **own, **generate_kwargs)
             merged.merge(last_stats(model))
     finally:
         bar.close()
@@ -375,20 +344,39 @@ def measure_acceptance(model, tokenizer, head: DartHead, prompts: Optional[Itera
                            prompts=len(ids), target=str(name), measured=time.strftime("%Y-%m-%d"))
 
 
+def measurable_context(model, wanted: int, block: int) -> int:
+    """`wanted` cache positions, fewer where the target's position limit leaves no room for a `block` of new tokens
+    after them; DartInputError where it leaves none."""
+    cfg = model.config.get_text_config(decoder=True)
+    limit = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+    if not isinstance(limit, int):
+        return wanted
+    room = min(wanted, limit - block - 1)
+    if room < 1:
+        raise DartInputError(f"the target's {limit} positions leave no room to time a {block}-token verify forward")
+    return room
+
+
 def measure_machine_cost(model, head: DartHead, *, max_nodes: int = 60, context_length: int = 256, repeats: int = 3,
                          progress: Optional[bool] = None) -> MachineCost:
     """Time this machine's verify forwards for k = 1 .. `max_nodes` + 1 tokens and a plain step (`measure_latency`),
-    then the rest of a step from a short DART run on fixed random ids (its acceptance does not matter)."""
+    then the rest of a step from a DART run of `COST_RUN_TOKENS` new tokens on fixed random ids (its acceptance does
+    not matter; no EOS ends it early). DartInputError when that run makes fewer than `COST_RUN_STEPS` verify steps."""
     t_start = now()
     plan = plan_for(model, head)
     grid = sorted({k for k in LATENCY_GRID if k <= max_nodes + 1} | {max_nodes + 1})
+    context_length = measurable_context(model, context_length, max(grid))
     latency, plain_s = measure_latency(model, grid, plan.layer_ids, context_length, repeats, progress)
     vocab = int(model.get_input_embeddings().weight.shape[0])
     prompt = torch.randint(0, vocab, (1, 16), generator=torch.Generator().manual_seed(0))
     tree = dataclasses.replace(base_tree_config(model, head), remain_total=min(8, max_nodes), eos_token_id=None)
-    acceptance_run(model, head, [prompt], tree, max_new_tokens=4, progress=False)  # warm-up
-    stats = acceptance_run(model, head, [prompt], tree, max_new_tokens=COST_RUN_TOKENS, progress=False)
-    steps = max(stats.steps, 1)
+    no_eos = dict(eos_token_id=[], pad_token_id=0)  # decode the full length whatever the target's EOS
+    acceptance_run(model, head, [prompt], tree, max_new_tokens=4, progress=False, **no_eos)  # warm-up
+    stats = acceptance_run(model, head, [prompt], tree, max_new_tokens=COST_RUN_TOKENS, progress=False, **no_eos)
+    if stats.steps < COST_RUN_STEPS:
+        raise DartInputError(f"the timing run made {stats.steps} verify steps of the {COST_RUN_STEPS} it needs "
+                             f"({stats.new_tokens} new tokens)")
+    steps = stats.steps
     return MachineCost(
         verify_ms={k: s * 1e3 for k, s in latency.items()}, plain_ms=plain_s * 1e3,
         head_ms=stats.head_time / steps * 1e3, tree_ms=stats.tree_time / steps * 1e3,
@@ -397,16 +385,7 @@ def measure_machine_cost(model, head: DartHead, *, max_nodes: int = 60, context_
         created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
 
 
-def choose(acceptance: AcceptanceCurve, cost: MachineCost, base: TreeConfig) -> TreeChoice:
-    """The fastest tree size of the curve at this cost (`choose_tree_size`), with `base`'s other settings."""
-    best, rows = choose_tree_size(acceptance.tau, {k: ms / 1e3 for k, ms in cost.verify_ms.items()},
-                                  cost.fixed_ms / 1e3, cost.plain_ms / 1e3)
-    chosen = next(row for row in rows if row["remain_total"] == best)
-    return TreeChoice(remain_total=best, tree_config=dataclasses.replace(base, remain_total=best),
-                      expected_speedup=chosen["speedup"], rows=rows, cost=cost)
-
-
-# ---- cache and the first-call choice ------------------------------------------------------------------------------
+# ---- the cache ---------------------------------------------------------------------------------------------
 
 def cache_dir() -> Path:
     """`$DART_SPEC_CACHE/machine` or `~/.cache/dart-spec/machine`."""
@@ -472,31 +451,75 @@ def cost_path(ident: dict) -> Path:
     return cache_dir() / f"{_digest(ident)}.json"
 
 
+class DartCacheWarning(UserWarning):
+    """A dart-spec cache file could not be read or written; what it would hold lives in memory for the process."""
+
+
+_WARNED_PATHS: set[str] = set()  # cache directories already warned about (one warning per directory and process)
+_MEMORY: dict[str, dict] = {}  # path -> what could not be written there, for this process
+
+
+def _warn_once(path: Path, what: str, err: BaseException) -> None:
+    directory = str(path.parent)
+    if directory not in _WARNED_PATHS:
+        _WARNED_PATHS.add(directory)
+        warnings.warn(f"dart-spec cannot {what} its cache in {directory} ({type(err).__name__}: {err}); what it "
+                      "measures is kept in memory for this process (set DART_SPEC_CACHE to a writable directory)",
+                      DartCacheWarning, stacklevel=3)
+
+
+NO_FILE = object()  # what `read_cache_file` returns where there is nothing to read
+
+
+def read_cache_file(path: Path) -> object:
+    """The JSON value in `path` (or what this process could not write there), or `NO_FILE` when there is none or it
+    cannot be read (one `DartCacheWarning` per directory); malformed JSON raises ValueError."""
+    if str(path) in _MEMORY:
+        return _MEMORY[str(path)]
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return NO_FILE
+    except (OSError, UnicodeDecodeError) as err:
+        _warn_once(path, "read", err)
+        return NO_FILE
+    return json.loads(text)
+
+
+def write_cache_file(path: Path, data: dict) -> bool:
+    """Write `data` to `path` atomically; where that fails, keep it in memory for the process (one
+    `DartCacheWarning` per directory). Returns whether it reached the disk."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_write(str(path), "w") as fh:
+            json.dump(data, fh, indent=2)
+    except OSError as err:
+        _warn_once(path, "write", err)
+        _MEMORY[str(path)] = data
+        return False
+    _MEMORY.pop(str(path), None)
+    return True
+
+
 def cached_machine_cost(model, head: DartHead) -> Optional[MachineCost]:
     """The cached cost for this device, thread count, target and head, or None. A cache file that cannot be read as
     one is ignored with a warning naming it (measuring again replaces it)."""
     ident = identity(model, head)
     path = cost_path(ident)
     try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return None
-    except (OSError, UnicodeDecodeError) as err:
-        warnings.warn(f"ignoring the machine-cost cache {path}: unreadable ({err})", stacklevel=2)
-        return None
-    try:
-        result = MachineCost.from_dict(json.loads(text))
+        raw = read_cache_file(path)
+        result = None if raw is NO_FILE else MachineCost.from_dict(raw)
     except (ValueError, DartInputError) as err:  # json's errors are ValueErrors
-        warnings.warn(f"ignoring the machine-cost cache {path}: {err}; it is measured again", stacklevel=2)
+        warnings.warn(f"ignoring the machine-cost cache {path}: {err}; it is measured again", DartCacheWarning,
+                      stacklevel=2)
         return None
-    return result if result.identity == ident else None
+    return result if result is not None and result.identity == ident else None
 
 
 def save_machine_cost(cost: MachineCost) -> Path:
+    """Cache `cost` under its identity (in memory for the process where the cache cannot be written)."""
     path = cost_path(cost.identity)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_write(str(path), "w") as fh:
-        json.dump(cost.to_dict(), fh, indent=2)
+    write_cache_file(path, cost.to_dict())
     return path
 
 
@@ -515,36 +538,3 @@ def machine_cost(model, head: DartHead, *, refresh: bool = False, progress: Opti
     cost = measure_machine_cost(model, head, progress=progress, **kwargs)
     save_machine_cost(cost)
     return cost
-
-
-# per head: {(target id, dtype, device, threads): TreeChoice}, so that a generate() call after the first costs a
-# dictionary look-up; a head whose acceptance curve or search settings change gets a new entry
-_CHOICES: "weakref.WeakKeyDictionary[DartHead, dict]" = weakref.WeakKeyDictionary()
-_CHOICE_LOCK = threading.Lock()
-
-
-def tree_choice(model, head: DartHead) -> Optional[TreeChoice]:
-    """The tree size for `head` on `model` here, from the head's shipped acceptance curve and this machine's cost
-    (measured at the first call, then cached on disk and in memory); None when the head carries no curve."""
-    if head.acceptance is None:
-        return None
-    param = next(model.parameters())
-    base = base_tree_config(model, head)
-    key = (id(model), param.dtype, param.device, torch.get_num_threads(), id(head.acceptance), base)
-    with _CHOICE_LOCK:
-        choice = _CHOICES.setdefault(head, {}).get(key)
-        if choice is None:
-            choice = _CHOICES[head][key] = choose(head.acceptance, machine_cost(model, head), base)
-    return choice
-
-
-def calibrate(model, tokenizer, head: DartHead, prompts: Optional[Iterable] = None, *, max_nodes: int = 60,
-              candidates: Optional[Iterable[int]] = None, max_new_tokens: int = 64, context_length: int = 256,
-              repeats: int = 3, progress: Optional[bool] = True) -> TreeChoice:
-    """Measure both parts now: the acceptance curve (set as `head.acceptance`; `head.save_pretrained` ships it) and
-    this machine's cost (cached); returns the choice."""
-    head.acceptance = measure_acceptance(model, tokenizer, head, prompts, max_nodes=max_nodes, candidates=candidates,
-                                         max_new_tokens=max_new_tokens, progress=progress)
-    machine_cost(model, head, refresh=True, progress=progress, max_nodes=max(head.acceptance.tau),
-                 context_length=context_length, repeats=repeats)
-    return tree_choice(model, head)

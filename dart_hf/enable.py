@@ -9,11 +9,15 @@ import functools
 import warnings
 from typing import Optional
 
+import torch
+
 from dart_core import DartHead, TreeConfig
 from dart_hf.candidate import DartCandidateGenerator
 from dart_hf import compat
 from dart_hf.compat import CAPTURE_HOOK, CAPTURE_HOOKS_FLAG
-from dart_hf.loop import DART_ARGUMENTS, DartOptions, NotApplicable, _record_stats, dart_decoding, last_stats
+from dart_hf.controller import CallPolicy, PlainClock, controller_for, existing_controller
+from dart_hf.loop import (DART_ARGUMENTS, ENABLED_MARKER, DartOptions, NotApplicable, _record_stats, dart_decoding,
+                          last_stats)
 
 _SUBCLASSES: dict[type, type] = {}
 # generate() arguments that pick another decoding method, which DART tree decoding does not combine with
@@ -24,12 +28,20 @@ class DartFallbackWarning(UserWarning):
     """A `generate()` call on a model with an attached head ran as plain generate() (the message says why)."""
 
 
-def _decoding(options: DartOptions, streamer, tokenizer, synced_gpus: bool):
+def _decoding(options: DartOptions, streamer, tokenizer, synced_gpus: bool, policy):
     """The `custom_generate` callable that decodes a call with `options` (generate() passes a callable neither the
-    call's streamer, tokenizer nor `synced_gpus`: they are bound here)."""
+    call's streamer, tokenizer, `synced_gpus` nor the step policy: they are bound here)."""
     dart = {f"dart_{field.name}": getattr(options, field.name) for field in dataclasses.fields(options)}
     return functools.partial(dart_decoding, synced_gpus=synced_gpus, dart_streamer=streamer, dart_tokenizer=tokenizer,
-                             **dart)
+                             dart_step_policy=policy, **dart)
+
+
+def _call_shape(inputs, kwargs: dict) -> tuple[int, int]:
+    """(batch size, prompt length) of a generate() call, as far as its arguments tell ((1, 1) otherwise)."""
+    ids = inputs if inputs is not None else kwargs.get("input_ids")
+    if isinstance(ids, torch.Tensor) and ids.dim() == 2:
+        return int(ids.shape[0]), int(ids.shape[1])
+    return 1, 1
 
 
 class DartGenerationMixin:
@@ -57,20 +69,25 @@ class DartGenerationMixin:
             if explicit:
                 raise ValueError(f"dart_head cannot be combined with {clash}=")
             return self._plain_generate(f"the call passes {clash}=", inputs, generation_config, kwargs)
-        if options.tree_config is None:  # the tree size chosen for this machine, where the head ships its curve
-            from dart_hf.calibration import tree_choice
-
-            choice = tree_choice(self, options.head)
-            if choice is not None and not choice.pays and not explicit:
-                return self._plain_generate(f"no tree beats plain decoding on this machine: {choice.summary()}",
-                                            inputs, generation_config, kwargs)
-            if choice is not None:
-                options = dataclasses.replace(options, tree_config=choice.tree_config)
+        if options.tree_config is None:  # each step's tree chosen by what DART measures here (dart_hf.controller)
+            controller = existing_controller(self, options.head)
+            mode, reason = "dart", None
+            if controller is not None and not explicit:
+                mode, reason = controller.call_mode(*_call_shape(inputs, kwargs))
+            if mode == "plain":
+                return self._timed_plain_generate(controller, reason, inputs, generation_config, kwargs)
+            # the controller is made (its first-call measurement) once the call's checks have passed
+            policy = CallPolicy(functools.partial(controller_for, self, options.head), may_go_plain=not explicit,
+                                probe=mode == "probe")
+        else:  # a fixed tree; it teaches the controller, where a call made one
+            controller = existing_controller(self, options.head)
+            policy = None if controller is None else CallPolicy(lambda: controller, may_go_plain=False,
+                                                                fixed=options.tree_config.remain_total)
         dart_kwargs = dict(kwargs)
         streamer = dart_kwargs.pop("streamer", None)
         tokenizer = dart_kwargs.get("tokenizer")
         dart_kwargs["custom_generate"] = _decoding(options, streamer, tokenizer,
-                                                   compat.synced_gpus(self, kwargs.get("synced_gpus")))
+                                                   compat.synced_gpus(self, kwargs.get("synced_gpus")), policy)
         try:  # generate() drops the call's tokenizer on the custom_generate path: the two methods below get it here
             return contextvars.copy_context().run(_with_tokenizer, tokenizer, super().generate, inputs,
                                                   generation_config, **dart_kwargs)
@@ -78,6 +95,11 @@ class DartGenerationMixin:
             if explicit:
                 raise
             return self._plain_generate(str(err), inputs, generation_config, kwargs)
+        finally:
+            if policy is not None:
+                for message in policy.warnings:
+                    warnings.warn(message, DartFallbackWarning, stacklevel=2)
+                policy.save()
 
     def _get_stopping_criteria(self, generation_config, stopping_criteria, tokenizer=None):
         # stop strings need the call's tokenizer
@@ -91,9 +113,25 @@ class DartGenerationMixin:
     def _plain_generate(self, reason: str, inputs, generation_config, kwargs):
         """The call as plain generate(), after one warning naming `reason` (once per reason and call site)."""
         warnings.warn(f"DART does not apply to this generate() call ({reason}); it runs as plain generate()",
-                      DartFallbackWarning, stacklevel=4)
+                      DartFallbackWarning, stacklevel=3)
         _record_stats(self, None)
         return super().generate(inputs, generation_config, **kwargs)
+
+    def _timed_plain_generate(self, controller, reason: Optional[str], inputs, generation_config, kwargs):
+        """The call as plain generate() because DART does not pay here (after `reason` as a warning, given once per
+        regime), its steps timed for the controller (`PlainClock`)."""
+        from transformers import StoppingCriteriaList
+
+        if reason is not None:
+            warnings.warn(reason, DartFallbackWarning, stacklevel=3)
+        _record_stats(self, None)
+        clock = PlainClock()
+        timed = dict(kwargs, stopping_criteria=StoppingCriteriaList([*(kwargs.get("stopping_criteria") or []), clock]))
+        try:
+            return super().generate(inputs, generation_config, **timed)
+        finally:
+            clock.report(controller)
+            controller.save()
 
     @property
     def dart_stats(self):
@@ -114,7 +152,7 @@ class DartGenerationMixin:
 
     def __reduce_ex__(self, protocol):
         # pickled (torch.save, deepcopy) as the model's own class, which pickle can import; loading enables it again
-        return _enabled_instance, (type(self)._dart_original,), _picklable_state(self, {})
+        return _enabled_instance, (getattr(type(self), ENABLED_MARKER),), _picklable_state(self, {})
 
 
 def _enabled_instance(cls: type):
@@ -178,7 +216,7 @@ def enable(model, head: Optional[DartHead] = None, *, ngram=None, tree_config: O
         if sub is None:
             sub = type(cls.__name__, (DartGenerationMixin, cls), {"__module__": cls.__module__,
                                                                   "__qualname__": cls.__qualname__,
-                                                                  "_dart_original": cls})
+                                                                  ENABLED_MARKER: cls})
             _SUBCLASSES[cls] = sub
         model.__class__ = sub
     if head is not None:

@@ -10,7 +10,7 @@ import inspect
 import threading
 import warnings
 import weakref
-from typing import Optional
+from typing import Optional, Protocol
 
 import torch
 
@@ -23,7 +23,7 @@ from dart_runtime.sync import synchronize
 from dart_runtime.timing import now
 from dart_core.tree import score_ranks
 from dart_hf.compat import cache_from_caller, supports_logits_to_keep
-from dart_hf.processors import row_processor, stateful_processor
+from dart_hf.processors import processor_refusal, row_processor
 from dart_hf.stopping import Stopper, pad_token
 from dart_hf.target import (AttentionLayout, TargetPlan, attention_layout, check_architecture, check_attention,
                             check_cache, crop_cache, keep_accepted_path, plan_for, prompt_positions, sliding_dropped,
@@ -44,6 +44,10 @@ class DartStats:
         entry per sequence still decoding, `batch_rows` says whose.
     batch_rows: the caller's batch row of each entry of `accepted_lengths`.
     forwards: target forwards over trees (one per verify step, whatever the batch size).
+    tree_sizes: the draft nodes (`remain_total`) each target forward was given; 0 for a plain step (the roots alone:
+        one token per sequence, as a plain `generate()` step decides it; the step-size controller takes them to
+        measure plain decoding or to finish a call plain, `dart_hf.controller`).
+    tree_nodes: the largest tree drafted (nodes, the root included).
     accepted_ranks: for each entry of `accepted_lengths`, the selection rank of each accepted node
         (`dart_core.tree.score_ranks`: 0-based position among the tree's draft nodes by score). A tree of R nodes
         built from the same candidates holds exactly the nodes of rank < R, so under greedy decoding it would have
@@ -67,6 +71,7 @@ class DartStats:
     batch_rows: list[int] = dataclasses.field(default_factory=list)
     accepted_ranks: list[list[int]] = dataclasses.field(default_factory=list)
     forwards: int = 0
+    tree_sizes: list[int] = dataclasses.field(default_factory=list)
     tree_nodes: int = 0
     setup_time: float = 0.0
     prefill_time: float = 0.0
@@ -94,6 +99,11 @@ class DartStats:
     @property
     def tau(self) -> float:
         return tau_of(sum(self.accepted_lengths), self.steps)
+
+    @property
+    def plain_steps(self) -> int:
+        """Target forwards over the roots alone that a controller chose (`tree_sizes` 0)."""
+        return self.tree_sizes.count(0)
 
     def merge(self, other: "DartStats") -> "DartStats":
         """Add `other`'s calls to this object (every list extended, every count and time summed, the larger tree
@@ -164,6 +174,34 @@ def _record_stats(model, stats: Optional[DartStats]) -> None:
     table[model] = stats
 
 
+ENABLED_MARKER = "_dart_original"  # the class attribute of a model class `dart_hf.enable` made (the original class)
+
+
+def is_enabled(model) -> bool:
+    """Whether `dart_hf.enable` gave `model` DART generation (its generate() takes `dart_head=`)."""
+    return hasattr(type(model), ENABLED_MARKER)
+
+
+class StepPolicy(Protocol):
+    """What decides each verify step's tree (`dart_hf.controller.CallPolicy`): the loop asks before every step and
+    reports what the step cost and accepted."""
+
+    max_tree_size: int  # the largest tree `tree_size` answers
+
+    def begin(self, sampled: bool) -> None:
+        """The call starts decoding, its checks passed (sampled: whether it samples); `max_tree_size` holds from
+        here."""
+
+    def tree_size(self, batch_size: int, context_length: int) -> int:
+        """Draft nodes for the next step of `batch_size` sequences over a cache of `context_length` positions; 0: a
+        plain step (the roots alone)."""
+
+    def observe(self, tree_size: int, batch_size: int, context_length: int, seconds: float,
+                accepted_ranks: list[list[int]]) -> None:
+        """That step took `seconds` (the whole iteration of the loop) and accepted, per sequence, nodes of these
+        selection ranks (`DartStats.accepted_ranks`; empty lists for a plain step)."""
+
+
 class NotApplicable(DartInputError):
     """DART cannot decode this call as plain generate() would (raised before any work): an explicit `dart_head=`
     reports it; a head attached with `dart_hf.enable(model, head)` runs plain generate() instead."""
@@ -179,6 +217,7 @@ class DartOptions:
     tree_config: Optional[TreeConfig] = None
     sync_timing: bool = False
     cuda_graph: bool = False
+    stateless_processors: bool = False  # the caller declares its own logits processors stateless (dart_hf.processors)
 
     def __post_init__(self) -> None:
         from dart_core.ngram import NGramModel
@@ -191,7 +230,7 @@ class DartOptions:
         if self.tree_config is not None and not isinstance(self.tree_config, TreeConfig):
             raise TypeError(f"dart_tree_config must be a dart_core.TreeConfig (or None for the head's own), got "
                             f"{type(self.tree_config).__name__}")
-        for name in ("sync_timing", "cuda_graph"):
+        for name in ("sync_timing", "cuda_graph", "stateless_processors"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"dart_{name} must be True or False, got {getattr(self, name)!r}")
 
@@ -203,8 +242,9 @@ class DartOptions:
 
 # generate()'s DART arguments: `dart_` + each DartOptions field (dart_head, dart_ngram, dart_tree_config, ...)
 DART_ARGUMENTS = tuple(f"dart_{field.name}" for field in dataclasses.fields(DartOptions))
-# what `dart_hf.enable` binds for a call, which generate() does not pass a custom_generate callable
-BOUND_ARGUMENTS = ("dart_streamer", "dart_tokenizer")
+# what `dart_hf.enable` binds for a call, which generate() does not pass a custom_generate callable (the streamer,
+# the tokenizer, and the `StepPolicy` that chooses each step's tree when the call has no fixed tree)
+BOUND_ARGUMENTS = ("dart_streamer", "dart_tokenizer", "dart_step_policy")
 
 
 @dataclasses.dataclass
@@ -221,6 +261,7 @@ class Call:
     tokenizer: object
     options: DartOptions
     model_kwargs: dict  # attention_mask, position_ids, past_key_values, ... as generate() prepared them
+    policy: Optional[StepPolicy] = None  # chooses each step's tree; None: `options`' tree for every step
 
     @property
     def want_scores(self) -> bool:
@@ -274,7 +315,7 @@ def dart_decoding(model, input_ids: torch.LongTensor, logits_processor, stopping
     options = DartOptions(dart.pop("dart_head")).with_call({name: dart.get(name) for name in DART_ARGUMENTS[1:]})
     streamer = dart["dart_streamer"] if dart.get("dart_streamer") is not None else streamer
     call = Call(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer,
-                dart.get("dart_tokenizer"), options, kwargs)
+                dart.get("dart_tokenizer"), options, kwargs, dart.get("dart_step_policy"))
     return contextvars.copy_context().run(_decode, call)
 
 
@@ -292,9 +333,12 @@ def _decode(call: Call):
                                           run.stats)
         with tree_forwards(call.model), few_row_linears(head):
             while not run.emit(batch, step):
+                t_step = now()
                 batch, step = run.keep_producing(batch, step, head_cache)
-                trees, ancestors, step = run.draft(batch, step, head_cache)
+                trees, ancestors, step, size = run.draft(batch, step, head_cache)
+                rows, context, ranked = len(batch.rows), cache.get_seq_length(), len(run.stats.accepted_ranks)
                 step = verify_step(run.verifier, trees, ancestors, batch, run.sequences, step, run.stats)
+                run.observe(size, rows, context, now() - t_step, run.stats.accepted_ranks[ranked:])
         output = run.finish(step, head_cache)
     run.stats.total_time = now() - t_start
     return run.result(output)
@@ -310,22 +354,23 @@ def _start(call: Call) -> "Run":
         raise NotApplicable(str(err)) from None
     input_ids = call.input_ids.long()  # generate()'s output is int64 whatever integer type the prompt had
     ngram = call.options.ngram if call.options.ngram is not None else head.ngram
-    depth = tree_config.draft_levels(head.draft_length + 1)  # deepest draft node
-    search = TreeSearch(head, ngram, tree_config)
+    if call.policy is not None:
+        call.policy.begin(bool(config.do_sample))
+    largest = tree_config.remain_total if call.policy is None else call.policy.max_tree_size
+    depth = dataclasses.replace(tree_config, remain_total=largest).draft_levels(head.draft_length + 1)  # deepest node
     greedy_paths = functools.partial(accepted_greedy_paths, max_depth=depth)
     graphs = call.options.cuda_graph and input_ids.device.type == "cuda"
     if call.options.cuda_graph and not graphs:
         warnings.warn(f"dart_cuda_graph=True applies on CUDA only; on {input_ids.device.type} the drafting pass, tree "
                       "search and acceptance run eagerly", stacklevel=5)
     if graphs:  # kept with the head: later calls replay the graphs earlier ones captured
-        search = cached_graph(head.cuda_graphs, (ngram, tree_config), search)
         greedy_paths = cached_graph(head.cuda_graphs, ("greedy_paths", depth), greedy_paths)
     verifier = _Verifier(call.model, prepared.plan, prepared.layout, prepared.cache, call.logits_processor,
                          bool(config.do_sample), greedy_paths, pad_token(config))
     stats = DartStats(prompt_tokens=int(prepared.attention_mask.sum()), sync_timing=call.options.sync_timing)
     _record_stats(call.model, stats)
     scores = [] if call.want_scores else None
-    run = Run(call, prepared, input_ids, tree_config, search, graphs, draft_context_length(ngram), verifier,
+    run = Run(call, prepared, input_ids, tree_config, ngram, graphs, draft_context_length(ngram), verifier,
               Stopper(input_ids, call.stopping_criteria, config, scores), stats, scores,
               [] if call.want_logits else None)
     if call.streamer is not None:
@@ -340,8 +385,8 @@ class Run:
     call: Call
     prepared: "Prepared"
     input_ids: torch.Tensor  # [B, T] int64
-    tree_config: TreeConfig
-    search: object  # `TreeSearch` (CUDA-graphed or not)
+    tree_config: TreeConfig  # the search settings; `remain_total` is the tree of every step unless a policy decides
+    ngram: object  # the n-gram prior of the search (None: none)
     graphs: bool
     context_len: int  # tokens of context the n-gram prior reads
     verifier: "_Verifier"
@@ -350,6 +395,7 @@ class Run:
     scores: Optional[list]  # processed scores of each step (output_scores), else None
     raw_logits: Optional[list]  # raw logits of each step (output_logits), else None
     sequences: Optional[list] = None  # per caller's row, its tokens so far (left padding included), when read
+    searches: dict = dataclasses.field(default_factory=dict)  # remain_total -> its `TreeSearch` (CUDA-graphed or not)
 
     def __post_init__(self) -> None:
         if self.verifier.needs_prefixes or self.scores is not None or self.raw_logits is not None:
@@ -378,15 +424,41 @@ class Run:
         return _drop_rows(batch, step, head_cache, self.verifier.cache, keep)
 
     def draft(self, batch: "Batch", step: "Step", head_cache):
-        """The next trees -> (trees, ancestors, the step with the head's pending rows consumed). When every row needs
-        one token more, the roots alone (no head pass), as a plain step decides one token."""
+        """The next trees -> (trees, ancestors, the step with the head's pending rows consumed, the draft nodes asked
+        for or None). When every row needs one token more, the roots alone (no head pass), as a plain step decides
+        one token; so when the policy asks for a plain step (0), the head's rows then wait for the next draft."""
         if all(self.stopper.remaining(row) == 1 for row in batch.rows):
-            return (*root_trees(batch.contexts[:, -1:]), step)
-        trees, ancestors = draft(self.call.options.head, self.search, step, head_cache, batch, self.tree_config,
-                                 self.graphs, self.stats)
+            return (*root_trees(batch.contexts[:, -1:]), step, None)
+        size = self.tree_config.remain_total if self.call.policy is None else \
+            self.call.policy.tree_size(len(batch.rows), self.verifier.cache.get_seq_length())
+        if size == 0:
+            return (*root_trees(batch.contexts[:, -1:]), step, 0)
+        tree_config = dataclasses.replace(self.tree_config, remain_total=size)
+        trees, ancestors = draft(self.call.options.head, self.search(tree_config), step, head_cache, batch,
+                                 tree_config, self.graphs, self.stats)
         consumed = dataclasses.replace(step, aux_rows=step.aux_rows[:, :0], head_ids=step.head_ids[:, :0],
                                        head_lengths=torch.zeros_like(step.head_lengths))
-        return trees, ancestors, consumed
+        return trees, ancestors, consumed, size
+
+    def search(self, tree_config: TreeConfig):
+        """The tree search with `tree_config` (replayed from a CUDA graph kept with the head where `graphs`)."""
+        search = self.searches.get(tree_config.remain_total)
+        if search is None:
+            search = TreeSearch(self.call.options.head, self.ngram, tree_config)
+            if self.graphs:  # kept with the head: later calls replay the graphs earlier ones captured
+                search = cached_graph(self.call.options.head.cuda_graphs, (self.ngram, tree_config), search)
+            self.searches[tree_config.remain_total] = search
+        return search
+
+    def observe(self, size: Optional[int], rows: int, context: int, seconds: float, ranks: list[list[int]]) -> None:
+        """Record the step just verified (`rows` sequences over a cache of `context` positions, `seconds` of the
+        loop's iteration, `ranks` of its accepted nodes): its tree size in the statistics, and to the policy what it
+        cost and accepted. A step of a call's last token (the roots alone) is nobody's choice: not reported."""
+        if size is None:
+            return
+        self.stats.tree_sizes.append(size)
+        if self.call.policy is not None:
+            self.call.policy.observe(size, rows, context, seconds, ranks or [[] for _ in range(rows)])
 
     def finish(self, step: "Step", head_cache) -> torch.Tensor:
         """The output [B, T + steps]; a batch-of-one cache cropped as plain leaves it, carrying the head's state."""
@@ -655,7 +727,7 @@ def draft(head: DartHead, search, step: Step, head_cache, batch: Batch, tree_con
         stats.first_draft_time = t2 - t0
     stats.head_time += t1 - t0
     stats.tree_time += t2 - t1
-    stats.tree_nodes = trees.num_nodes
+    stats.tree_nodes = max(stats.tree_nodes, trees.num_nodes)
     return trees, ancestors
 
 
@@ -779,11 +851,9 @@ def _prepare(call: Call) -> Prepared:
     if batch_size > 1 and streamer is not None:
         raise DartInputError("streamers take one sequence (batch size 1), as in transformers; got batch size "
                              f"{batch_size}")
-    stateful = stateful_processor(call.logits_processor)
-    if stateful is not None:
-        raise DartInputError(f"the logits processor {stateful} keeps state between calls (e.g. guidance_scale's "
-                             "unconditional pass), which DART's per-node verification cannot replay as plain "
-                             "generate() calls it")
+    refusal = processor_refusal(call.logits_processor, call.options.stateless_processors)
+    if refusal is not None:
+        raise DartInputError(refusal)
     if batch_size > 1 and want_scores:
         raise DartInputError("output_scores / output_logits with dart_head need batch size 1 (sequences of a batch "
                              "advance by different numbers of tokens per step)")

@@ -43,12 +43,16 @@ from torch import nn
 
 from dart_runtime.timing import interleaved_seconds
 
-# `W @ x.T` is tried for 2..MAX_ROWS rows only (one row is a matrix-vector product either way; beyond, the GEMM's
-# large-M path is fine). Which of the two products is faster depends on the CPU, its BLAS and the dtype, so it is
-# measured, once per group of weights, row bucket, thread count and dtype.
-MAX_ROWS = 16
-ROW_BUCKETS = (2, 3, 4, 6, 8, 16)  # a row count is decided by the measurement at the first bucket bound >= it
-MARGIN = 0.9  # `W @ x.T` is taken when it takes at most this fraction of `F.linear`'s time
+# `W @ x.T` is tried for 2..MAX_ROWS rows (one row is a matrix-vector product either way). Which of the two products is
+# faster depends on the CPU, its BLAS, the dtype and the rows, so it is measured, once per group of weights, row
+# bucket, thread count and dtype. The range covers what a verify step feeds a linear layer (a batch of B trees of
+# R + 1 nodes: B x (R + 1) rows); past it a step is rare enough that `F.linear` is kept unmeasured.
+MAX_ROWS = 64
+ROW_BUCKETS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # a row count is decided by the measurement at the first bound >= it
+# Hysteresis, not a machine fact: the other product (or dtype) is taken only when it takes at most this fraction of
+# the default's time, so that two kernels within timing noise (a few percent between interleaved passes) keep the
+# default.
+MARGIN = 0.9
 REPEATS = 5  # timed passes of each product (after one warm-up pass), interleaved
 _FASTER: dict[tuple, bool] = {}  # a weight outside any group: (N, K, bucket, threads, dtype) -> `W @ x.T` faster
 
@@ -122,6 +126,35 @@ def transposed_is_faster(weight: torch.Tensor, rows: int) -> bool:
         plain, transposed = _median_pass_seconds([F.linear, transposed_linear], weights, bucket)
         faster = table[key] = transposed <= MARGIN * plain
     return faster
+
+
+_DTYPES: dict[tuple, torch.dtype] = {}  # (weight shapes, rows, threads, dtypes) -> the fastest dtype
+
+
+def fastest_dtype(weights: list[torch.Tensor], rows: int, dtypes: tuple[torch.dtype, ...]) -> torch.dtype:
+    """Of `dtypes`, the one in which `rows`-row products through all of `weights` (CPU tensors) run fastest on this
+    machine with the current thread count, each product the faster of `F.linear` and `W @ x.T`: the first dtype
+    unless another takes at most `MARGIN` of its time. Measured once per weight shapes, rows, threads and dtypes,
+    over copies of the weights in each dtype, all passes interleaved."""
+    key = (tuple(tuple(w.shape) for w in weights), rows, torch.get_num_threads(), dtypes)
+    found = _DTYPES.get(key)
+    if found is not None:
+        return found
+    runs = {}
+    for dtype in dtypes:
+        copies = [w.detach().to(dtype) for w in weights]
+        inputs = {k: torch.randn(rows, k, dtype=dtype) for k in {int(w.shape[1]) for w in copies}}
+        for kernel in (F.linear, transposed_linear):
+            def one_pass(kernel=kernel, copies=copies, inputs=inputs) -> None:
+                for w in copies:
+                    kernel(inputs[int(w.shape[1])], w, None)
+            runs[(dtype, kernel)] = one_pass
+    with torch.no_grad():
+        times = interleaved_seconds(runs, REPEATS)
+    best = {dtype: min(statistics.median(times[(dtype, k)]) for k in (F.linear, transposed_linear)) for dtype in dtypes}
+    challenger = min(dtypes[1:], key=best.get, default=dtypes[0])
+    found = _DTYPES[key] = challenger if best[challenger] <= MARGIN * best[dtypes[0]] else dtypes[0]
+    return found
 
 
 def few_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

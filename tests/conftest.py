@@ -1,5 +1,8 @@
-"""Test-wide settings: one torch thread (on 2-core machines tiny-model tests run several times faster); the tiny
-training run shared by the trainer tests."""
+"""Test-wide settings: one torch thread (on 2-core machines tiny-model tests run several times faster;
+`DART_SPEC_TEST_THREADS=2` runs the suite at 2), an empty dart-spec cache of the session's own (what DART measures or
+learns on this machine never comes from outside the run); the tiny training run shared by the trainer tests."""
+
+import os
 
 import pytest
 import torch
@@ -8,10 +11,21 @@ from dart_train.data import write_shard
 from hf_models import tiny_target
 
 
+@pytest.fixture(autouse=True, scope="session")
+def session_cache(tmp_path_factory):
+    """`DART_SPEC_CACHE` for the whole session: a new empty directory."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DART_SPEC_CACHE", str(tmp_path_factory.mktemp("dart-spec-cache")))
+        yield
+
+
+TEST_THREADS = int(os.environ.get("DART_SPEC_TEST_THREADS", "1"))  # the suite's verdict must not depend on it
+
+
 @pytest.fixture(autouse=True)
 def one_thread():
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(TEST_THREADS)
     yield
     torch.set_num_threads(threads)
 

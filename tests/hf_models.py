@@ -69,6 +69,15 @@ def random_head(target, draft_length: int = 4, draft_vocab: int | None = None, s
     return head
 
 
+def attach(model, head):
+    """`dart_hf.enable(model, head)` with the head's own tree fixed: every call decodes with DART whatever this
+    machine's speed (the tests of exactness never rest on the controller's verdict, which depends on the CPU)."""
+    import dart_hf
+    from dart_core import TreeConfig
+
+    return dart_hf.enable(model, head, tree_config=head.tree_config or TreeConfig())
+
+
 def oracle_head(target, reference: torch.Tensor, draft_length: int = 4, wrong_every: int = 0) -> ReplayHead:
     """A head that drafts the target's own continuation `reference` (wrong at every `wrong_every`-th position)."""
     return ReplayHead.from_head(random_head(target, draft_length=draft_length), reference, wrong_every)

@@ -1,5 +1,6 @@
-"""The tree size chosen for this machine: the acceptance rule (exact per step), the shipped acceptance curve, the
-latency model, the choice, the first-call measurement and its cache, the fallback to plain, and `load_default`."""
+"""What DART's speed decisions start from (`dart_hf.calibration`): the acceptance rule (exact per step), the shipped
+acceptance curve, the latency curve, the first-call machine cost and its cache (never failing a call, never taking an
+implausible value), the head's dtype by measurement, and `load_default`."""
 
 import json
 import sys
@@ -11,9 +12,10 @@ import dart_hf
 from dart_core import (AcceptanceCurve, DartHead, DartInputError, NGramModel, TreeConfig, build_draft_tree,
                        topk_draft_tokens)
 from dart_core.tree import score_ranks
-from dart_hf import DartFallbackWarning
-from dart_hf.calibration import (MachineCost, TreeChoice, cached_machine_cost, choose, choose_tree_size, interpolate,
-                                 machine_cost, measure_acceptance, monotone, tree_choice)
+from dart_hf import DartCacheWarning
+from dart_hf.calibration import (MachineCost, cached_machine_cost, interpolate, machine_cost, measure_acceptance,
+                                 measure_machine_cost, monotone)
+from dart_hf.controller import controller_for
 from dart_hf.default import DEFAULT_HEAD_DIR, default_head_dtype, load_default
 from hf_models import oracle_head, random_head, tiny_target
 
@@ -106,7 +108,7 @@ def test_tau_of_smaller_trees_is_exact_per_step(kind):
         assert torch.equal(again, out) and model.dart_stats.tau == stats.tau_at(r)
 
 
-# ---- latency model and choice ----------------------------------------------------------------------------------
+# ---- the latency curve ----------------------------------------------------------------------------------------
 
 def test_interpolation_and_monotone_latency():
     points = {1: 1.0, 4: 4.0, 8: 6.0}
@@ -114,46 +116,15 @@ def test_interpolation_and_monotone_latency():
     assert interpolate(points, 12) == 8.0  # extrapolated from the last two points
     assert monotone({1: 1.0, 2: 3.0, 4: 2.0, 8: 5.0}) == {1: 1.0, 2: 2.5, 4: 2.5, 8: 5.0}
     assert monotone(points) == points
+    cost = MachineCost(verify_ms={1: 1.0, 2: 3.0, 4: 2.0, 8: 5.0}, plain_ms=1.0, head_ms=0.0, tree_ms=0.0,
+                       rest_ms=0.0, context_length=8, seconds=0.0)
+    assert cost.verify_at(3) == 2.5 and cost.verify_at(16) == pytest.approx(2.5 + 2.5 / 4 * 12)
 
 
-def test_choice_is_argmax_of_tokens_per_second():
-    tau = {1: 1.6, 4: 2.2, 16: 2.8, 60: 3.0}
-    cpu = {1: 0.080, 2: 0.130, 8: 0.150, 16: 0.160, 32: 0.200, 64: 0.300}  # seconds per verify forward
-    best, rows = choose_tree_size(tau, cpu, fixed_s=0.02, plain_s=0.080)
-    rate = {row["remain_total"]: row["tokens_per_s"] for row in rows}
-    assert rate[4] == pytest.approx(2.2 / (0.02 + interpolate(cpu, 5)))
-    assert best == max(rate, key=rate.get) == 16
-    assert rows[2]["speedup"] == pytest.approx(rate[16] * 0.080)
-    gpu = {k: 0.010 for k in (1, 2, 4, 8, 16, 32, 64)}  # flat: the biggest tree wins
-    assert choose_tree_size(tau, gpu, fixed_s=0.002, plain_s=0.010)[0] == 60
-    assert choose_tree_size({1: 2.0, 4: 2.0}, gpu, 0.0, 0.01)[0] == 1  # ties: the smaller tree
-
-
-# ---- the first-call choice: shipped acceptance, measured machine cost, cache ----------------------------------------
+# ---- the acceptance curve ----------------------------------------------------------------------------------------
 
 SMALL_CURVE = dict(max_new_tokens=20, candidates=(1, 2, 4, 8, 16), progress=False)
 SMALL_COST = dict(context_length=32, repeats=1, progress=False)
-
-
-def _cost(verify_ms: dict, plain_ms: float, fixed_ms: float = 3.0) -> MachineCost:
-    return MachineCost(verify_ms=verify_ms, plain_ms=plain_ms, head_ms=fixed_ms, tree_ms=0.0, rest_ms=0.0,
-                       context_length=256, seconds=1.0)
-
-
-def test_a_given_latency_curve_picks_the_expected_tree_size():
-    curve = AcceptanceCurve(tau={1: 1.4, 3: 1.7, 8: 2.0, 16: 2.2, 60: 2.4}, steps=10, new_tokens=20, prompts=1)
-    base = TreeConfig(beam_width=9)
-    # a CPU where a 4-token forward costs about one token's: a few nodes win
-    cpu = choose(curve, _cost({1: 70, 2: 55, 4: 70, 8: 100, 16: 110, 32: 170, 61: 230}, plain_ms=77), base)
-    assert cpu.remain_total == 3 and cpu.pays and cpu.tree_config == TreeConfig(beam_width=9, remain_total=3)
-    assert cpu.expected_speedup == pytest.approx(1.7 / (3 + 70) * 77)
-    # a GPU-like flat curve: the biggest tree
-    assert choose(curve, _cost({k: 10.0 for k in (1, 2, 4, 8, 16, 32, 64)}, plain_ms=10, fixed_ms=1), base
-                  ).remain_total == 60
-    # a machine where every tree forward costs twice a plain step: nothing pays
-    slow = choose(curve, _cost({1: 150, 2: 160, 4: 170, 8: 200, 16: 240, 32: 300, 61: 400}, plain_ms=77), base)
-    assert not slow.pays and slow.expected_speedup < 1 and "expected 0." in slow.summary()
-    assert "<- chosen" in slow.format_table()
 
 
 def test_acceptance_curve_ships_in_the_head_directory(tmp_path):
@@ -181,7 +152,9 @@ def test_the_acceptance_curve_is_not_measured_on_the_demo_prompt():
     assert DEMO_PROMPT not in DEFAULT_PROMPTS  # the demo's tree size would be fitted to the text it is timed on
 
 
-def test_first_call_measures_the_machine_once_and_caches_it_by_dtype_and_threads(cache_root, monkeypatch, capsys):
+# ---- the first-call machine cost and its cache ------------------------------------------------------------------
+
+def test_the_machine_cost_is_measured_once_and_cached_by_dtype_and_threads(cache_root, monkeypatch, capsys):
     model = dart_hf.enable(tiny_target())
     head = random_head(model)
     head.acceptance = AcceptanceCurve(tau={1: 1.5, 4: 1.9, 16: 2.2}, steps=5, new_tokens=9, prompts=1)
@@ -193,65 +166,163 @@ def test_first_call_measures_the_machine_once_and_caches_it_by_dtype_and_threads
         return real(*args, **{**kwargs, **SMALL_COST})
 
     monkeypatch.setattr(calibrate_module, "measure_machine_cost", counted)
-    choice = tree_choice(model, head)
-    assert measured == [1] and "measuring what a verify step costs" in capsys.readouterr().err
-    assert choice.remain_total in (1, 4, 16) and tree_choice(model, head) is choice  # memo
+    threads = torch.get_num_threads()
+    controller = controller_for(model, head)
+    assert measured == [threads] and "measuring what a verify step costs" in capsys.readouterr().err
+    assert controller_for(model, head) is controller  # one per model, head and machine setting
     files = list((cache_root / "machine").glob("*.json"))
-    assert len(files) == 1
+    assert [f.name.endswith(".learned.json") for f in files] == [False]
     saved = json.loads(files[0].read_text())
-    assert saved["identity"]["threads"] == 1 and saved["identity"]["device"].startswith("cpu:")
-    assert MachineCost.from_dict(saved) == cached_machine_cost(model, head)
-    calibrate_module._CHOICES.clear()
-    assert tree_choice(model, head).remain_total == choice.remain_total and measured == [1]  # from the disk cache
-    torch.set_num_threads(2)  # another thread count is another machine setting
+    assert saved["identity"]["threads"] == threads and saved["identity"]["device"].startswith("cpu:")
+    assert MachineCost.from_dict(saved) == cached_machine_cost(model, head) == controller.cost
+    sys.modules["dart_hf.controller"]._CONTROLLERS.clear()
+    assert controller_for(model, head).cost == controller.cost and measured == [threads]  # from the disk cache
+    torch.set_num_threads(threads + 1)  # another thread count is another machine setting
     try:
-        tree_choice(model, head)
+        controller_for(model, head)
     finally:
-        torch.set_num_threads(1)
-    assert measured == [1, 2]
+        torch.set_num_threads(threads)
+    assert measured == [threads, threads + 1]
     model.to(torch.bfloat16)  # and so is another dtype
     try:
         assert cached_machine_cost(model, head) is None
     finally:
         model.to(torch.float32)
-    assert random_head(model, seed=5).acceptance is None and tree_choice(model, random_head(model, seed=5)) is None
 
 
-def test_a_machine_where_no_tree_pays_decodes_plain_with_one_warning(cache_root, monkeypatch):
+def test_the_timing_run_decodes_its_full_length_whatever_the_eos(cache_root):
+    """A target whose first greedy token on the timing run's random ids is its EOS (as Gemma-3 and Qwen2.5 do) still
+    gets a full timing run: the head, search and rest times are measured, never 0 from a run without steps."""
     model = dart_hf.enable(tiny_target())
-    plain = model.generate(PROMPT, max_new_tokens=12, do_sample=False)
-    head = oracle_head(model, plain[0], wrong_every=3)
-    head.acceptance = AcceptanceCurve(tau={1: 1.5, 4: 1.9}, steps=5, new_tokens=9, prompts=1)
-    slow = _cost({1: 150.0, 2: 160.0, 4: 170.0, 8: 400.0}, plain_ms=77.0)
-    monkeypatch.setattr(calibrate_module, "machine_cost", lambda model, head: slow)
+    prompt = torch.randint(0, 96, (1, 16), generator=torch.Generator().manual_seed(0))
+    first = int(model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=1,
+                               do_sample=False)[0, -1])
+    model.generation_config.eos_token_id = first
+    model.generation_config.pad_token_id = 0
+    cost = measure_machine_cost(model, random_head(model), **SMALL_COST)
+    assert cost.head_ms > 0 and cost.tree_ms > 0 and cost.plain_ms > 0
+
+
+def test_a_timing_run_without_enough_steps_is_an_error_never_a_cached_zero(cache_root, monkeypatch):
+    from dart_hf.loop import DartStats
+
+    model = dart_hf.enable(tiny_target())
+    head = random_head(model)
+    monkeypatch.setattr(calibrate_module, "acceptance_run", lambda *args, **kwargs: DartStats())
+    with pytest.raises(DartInputError, match="the timing run made 0 verify steps"):
+        machine_cost(model, head, **SMALL_COST)
+    assert not list(cache_root.glob("machine/*.json"))
+    # the controller then has no prior and says so; the call still decodes, exactly
     attached = dart_hf.enable(tiny_target(), head)
-    with pytest.warns(DartFallbackWarning, match=r"no tree beats plain decoding on this machine: .*expected 0\.\d+x"):
-        out = attached.generate(PROMPT, max_new_tokens=12, do_sample=False)
-    assert torch.equal(out, plain) and attached.dart_stats is None
-    out = model.generate(PROMPT, max_new_tokens=12, do_sample=False, dart_head=head)  # asked for: DART, best tree
-    assert torch.equal(out, plain) and model.dart_stats.tree_nodes - 1 == 1  # tau 1.9 at 4 nodes costs more
+    plain = model.generate(PROMPT, max_new_tokens=8, do_sample=False)
+    with pytest.warns(DartCacheWarning, match="could not measure what a verify step costs"):
+        assert torch.equal(attached.generate(PROMPT, max_new_tokens=8, do_sample=False), plain)
 
 
-def test_calibrate_measures_both_parts_and_returns_the_choice(cache_root):
+GOOD_COST = dict(verify_ms={"1": 5.0, "2": 6.0}, plain_ms=5.0, head_ms=1.0, tree_ms=1.0, rest_ms=0.5,
+                 context_length=256, seconds=1.0, identity={}, created="", version=4)
+BAD_COSTS = {  # what a cache file may hold; each must be ignored with a warning, never reach the choice
+    "null": None, "list": [], "number": 17, "old version": {"version": 3}, "no fields": {"version": 4},
+    "all zero": dict(GOOD_COST, verify_ms={"1": 0.0, "2": 0.0}, plain_ms=0.0, head_ms=0.0, tree_ms=0.0, rest_ms=0.0),
+    "plain zero": dict(GOOD_COST, plain_ms=0.0), "plain string": dict(GOOD_COST, plain_ms="5"),
+    "plain bool": dict(GOOD_COST, plain_ms=True), "plain negative": dict(GOOD_COST, plain_ms=-3.0),
+    "plain null": dict(GOOD_COST, plain_ms=None), "plain list": dict(GOOD_COST, plain_ms=[5]),
+    "verify zero": dict(GOOD_COST, verify_ms={"1": 0.0}), "verify negative": dict(GOOD_COST, verify_ms={"1": -1}),
+    "verify string": dict(GOOD_COST, verify_ms={"1": "5"}), "verify list": dict(GOOD_COST, verify_ms=[1, 2]),
+    "verify empty": dict(GOOD_COST, verify_ms={}), "verify key 0": dict(GOOD_COST, verify_ms={"0": 5.0}),
+    "verify key text": dict(GOOD_COST, verify_ms={"one": 5.0}), "head negative": dict(GOOD_COST, head_ms=-1.0),
+    "head string": dict(GOOD_COST, head_ms="1"), "tree bool": dict(GOOD_COST, tree_ms=False),
+    "rest nan": dict(GOOD_COST, rest_ms=float("nan")), "rest inf": dict(GOOD_COST, rest_ms=float("inf")),
+    "context zero": dict(GOOD_COST, context_length=0), "context float": dict(GOOD_COST, context_length=2.5),
+    "seconds string": dict(GOOD_COST, seconds="1"), "identity list": dict(GOOD_COST, identity=[]),
+}
+
+
+def test_a_valid_cost_entry_reads_back():
+    assert MachineCost.from_dict(GOOD_COST).verify_ms == {1: 5.0, 2: 6.0}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_COSTS))
+def test_an_implausible_cost_entry_is_refused_by_name(name):
+    with pytest.raises(DartInputError):
+        MachineCost.from_dict(BAD_COSTS[name])
+
+
+@pytest.mark.parametrize("name", ["null", "all zero", "plain string", "verify zero", "rest nan", "not json"])
+def test_a_bad_cache_entry_is_ignored_with_a_warning_and_generate_measures_again(cache_root, name):
     model = dart_hf.enable(tiny_target())
-    plain = model.generate(PROMPT, max_new_tokens=30, do_sample=False)
-    head = oracle_head(model, plain[0], wrong_every=3)
-    head.tree_config = TreeConfig(beam_width=12, ngram_weight=0.3, remain_total=40)
-    choice = dart_hf.calibrate(model, None, head, [PROMPT], max_new_tokens=20, candidates=(1, 2, 4, 8, 16),
-                               context_length=32, repeats=1, progress=False)
-    assert isinstance(choice, TreeChoice) and choice.remain_total in (1, 2, 4, 8, 16, 60)
-    assert (choice.tree_config.beam_width, choice.tree_config.ngram_weight) == (12, 0.3)  # the head's settings
-    assert head.acceptance is not None and sorted(choice.cost.verify_ms) == [1, 2, 4, 8, 16, 32, 61]
-    best, rows = choose_tree_size(head.acceptance.tau, {k: v / 1e3 for k, v in choice.cost.verify_ms.items()},
-                                  choice.cost.fixed_ms / 1e3, choice.cost.plain_ms / 1e3)
-    assert best == choice.remain_total
-    for mine, theirs in zip(rows, choice.rows, strict=True):
-        assert mine == pytest.approx(theirs)
-    with pytest.raises(ValueError, match="text prompts need a tokenizer"):
-        measure_acceptance(model, None, head, ["hello"], **SMALL_CURVE)
+    head = random_head(model)
+    head.acceptance = AcceptanceCurve(tau={1: 1.5, 4: 1.9}, steps=5, new_tokens=9, prompts=1)
+    path = calibrate_module.cost_path(calibrate_module.identity(model, head))
+    path.parent.mkdir(parents=True)
+    raw = dict(BAD_COSTS.get(name, {}), identity=calibrate_module.identity(model, head)) \
+        if isinstance(BAD_COSTS.get(name), dict) else BAD_COSTS.get(name)
+    path.write_text("{not json" if name == "not json" else json.dumps(raw))
+    with pytest.warns(DartCacheWarning, match=f"ignoring the machine-cost cache {path}"):
+        assert cached_machine_cost(model, head) is None
+    attached = dart_hf.enable(tiny_target(), head)
+    plain = model.generate(PROMPT, max_new_tokens=6, do_sample=False)
+    with pytest.warns(DartCacheWarning, match="ignoring the machine-cost cache"):
+        assert torch.equal(attached.generate(PROMPT, max_new_tokens=6, do_sample=False), plain)
+    assert cached_machine_cost(model, head) is not None  # measuring again replaced the entry
 
 
-# ---- load_default -----------------------------------------------------------------------------------------------
+def _unwritable(kind: str, root):
+    """A DART_SPEC_CACHE under which nothing can be written, of the kind a read-only home or a mistake gives."""
+    if kind == "under a file":
+        (root / "file").write_text("x")
+        return root / "file" / "cache"
+    if kind == "proc":
+        return "/proc/dart-spec-cache"
+    if kind == "directory where the file belongs":  # every cost file name is a directory already
+        return root / "dirs"
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize("kind", ["under a file", "proc", "directory where the file belongs"])
+def test_a_cache_that_cannot_be_written_never_fails_generate(tmp_path, monkeypatch, kind):
+    """One DartCacheWarning, the measurement kept in memory for the process (the next call does not measure
+    again), output exactly plain's, for attached heads and dart_head= alike."""
+    root = _unwritable(kind, tmp_path)
+    monkeypatch.setenv("DART_SPEC_CACHE", str(root))
+    model = dart_hf.enable(tiny_target())
+    head = random_head(model, seed=7)
+    head.acceptance = AcceptanceCurve(tau={1: 1.5, 4: 1.9}, steps=5, new_tokens=9, prompts=1)
+    if kind == "directory where the file belongs":
+        path = calibrate_module.cost_path(calibrate_module.identity(model, head))
+        path.mkdir(parents=True)
+        path.with_suffix(".learned.json").mkdir()
+    plain = model.generate(PROMPT, max_new_tokens=8, do_sample=False)
+    attached = dart_hf.enable(tiny_target(), head)
+    measured = []
+    real = calibrate_module.measure_machine_cost
+    monkeypatch.setattr(calibrate_module, "measure_machine_cost",
+                        lambda *a, **k: measured.append(1) or real(*a, **{**k, **SMALL_COST}))
+    calibrate_module._WARNED_PATHS.clear()
+    with pytest.warns(DartCacheWarning, match="cannot (write|read) its cache"):
+        assert torch.equal(attached.generate(PROMPT, max_new_tokens=8, do_sample=False), plain)
+    sys.modules["dart_hf.controller"]._CONTROLLERS.clear()  # a new controller reads the cost from memory
+    with warnings_as_errors(DartCacheWarning):
+        for _ in range(3):
+            assert torch.equal(attached.generate(PROMPT, max_new_tokens=8, do_sample=False), plain)
+            assert torch.equal(model.generate(PROMPT, max_new_tokens=8, do_sample=False, dart_head=head), plain)
+        sys.modules["dart_hf.controller"]._save_all()  # what exit does: no error, no second warning
+    assert measured == [1]
+
+
+def warnings_as_errors(category):
+    import warnings
+
+    class _Errors(warnings.catch_warnings):
+        def __enter__(self):
+            out = super().__enter__()
+            warnings.simplefilter("error", category)
+            return out
+
+    return _Errors()
+
+
+# ---- load_default and the head's dtype ---------------------------------------------------------------------------
 
 def test_load_default_names_the_missing_head_directory(tmp_path):
     assert DEFAULT_HEAD_DIR.parts[-3:] == ("dart_hf", "assets", "smollm2-135m-dart")
@@ -266,35 +337,38 @@ def test_load_default_loads_the_head_beside_the_target(tmp_path, monkeypatch):
     saved.save_pretrained(tmp_path / "head", dtype=torch.float16)
     model, tokenizer, head = load_default(tmp_path / "head")
     assert head.tree_config == saved.tree_config and head.get_input_embeddings() is model.get_input_embeddings()
-    assert head.fc.weight.dtype == default_head_dtype(torch.float32, torch.device("cpu"))
+    assert head.fc.weight.dtype == default_head_dtype(head, torch.float32, torch.device("cpu"))
     _, _, fp32 = load_default(tmp_path / "head", head_dtype=torch.float32)
     assert fp32.fc.weight.dtype == torch.float32
     bf16_model, _, bf16 = load_default(tmp_path / "head", target_dtype=torch.bfloat16)
     assert next(bf16_model.parameters()).dtype == torch.bfloat16 and bf16.fc.weight.dtype == torch.bfloat16
 
 
-def test_default_head_dtype(monkeypatch):
+def test_the_head_dtype_is_the_measured_faster_one(monkeypatch):
+    """Beside a float32 target on the CPU the head takes whichever dtype its products run faster in here (a
+    measurement, whatever the CPU's capability string says); bfloat16 only when clearly faster."""
+    from dart_runtime import matmul
+
+    head = random_head(tiny_target())
     cpu = torch.device("cpu")
-    for capability, want in (("AVX2", torch.bfloat16), ("AVX512", torch.bfloat16), ("DEFAULT", torch.float32)):
+    for capability in ("AVX2", "AVX512", "DEFAULT"):  # no capability list decides
         monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
-        assert default_head_dtype(torch.float32, cpu) == want
-        assert default_head_dtype(torch.float16, cpu) == torch.float16  # only beside a float32 target
-        assert default_head_dtype(torch.float32, torch.device("cuda")) == torch.float32  # the CPU only
+        for bf16_share, want in ((0.5, torch.bfloat16), (0.95, torch.float32), (2.0, torch.float32)):
+            matmul._DTYPES.clear()
+            fake = {torch.float32: 1.0, torch.bfloat16: bf16_share}
+
+            def interleaved(runs, rounds, fake=fake):
+                return {key: [fake[key[0]]] * rounds for key in runs}
+
+            monkeypatch.setattr(matmul, "interleaved_seconds", interleaved)
+            assert default_head_dtype(head, torch.float32, cpu) == want, (capability, bf16_share)
+    assert default_head_dtype(head, torch.float16, cpu) == torch.float16  # only beside a float32 target
+    assert default_head_dtype(head, torch.float32, torch.device("cuda")) == torch.float32  # the CPU only
 
 
-@pytest.mark.parametrize("content", ["null", "[]", "17", '{"version": 4}', "{not json", "verify_ms", "plain_ms"])
-def test_a_bad_cache_entry_is_ignored_with_a_warning_naming_the_file_and_measuring_replaces_it(cache_root, content):
-    model = dart_hf.enable(tiny_target())
-    head = random_head(model)
-    machine_cost(model, head, **SMALL_COST)
-    path = calibrate_module.cost_path(calibrate_module.identity(model, head))
-    if content in ("verify_ms", "plain_ms"):  # a valid entry with one field broken
-        raw = json.loads(path.read_text())
-        raw[content] = {"verify_ms": [1, 2], "plain_ms": -3.0}[content]
-        content = json.dumps(raw)
-    path.write_text(content)
-    with pytest.warns(UserWarning, match=f"ignoring the machine-cost cache {path}"):
-        assert cached_machine_cost(model, head) is None
-    with pytest.warns(UserWarning, match="ignoring the machine-cost cache"):
-        assert isinstance(machine_cost(model, head, **SMALL_COST), MachineCost)
-    assert cached_machine_cost(model, head) is not None  # measuring again replaced the entry
+def test_fastest_dtype_measures_real_products():
+    from dart_runtime.matmul import fastest_dtype
+
+    weights = [torch.randn(64, 32), torch.randn(32, 64)]
+    assert fastest_dtype(weights, 4, (torch.float32, torch.bfloat16)) in (torch.float32, torch.bfloat16)
+    assert fastest_dtype(weights, 4, (torch.float32,)) == torch.float32

@@ -1,5 +1,6 @@
 """dart_hf on tiny random transformers models: output identical to plain generate(), generate() features, errors."""
 
+import dataclasses
 import math
 
 import pytest
@@ -326,9 +327,17 @@ def test_one_rule_decides_the_tree_settings_and_the_calls_eos_wins(monkeypatch):
         seen.append(tree_config)
         return real(head_, ngram, tree_config)
 
+    dart_hf.controller.controller_for(model, head)  # the first-call measurement, before the recording
     monkeypatch.setattr(loop, "TreeSearch", recording)
+    fixed = TreeConfig(remain_total=5)
     model.generate(PROMPTS[0], max_new_tokens=6, do_sample=False, dart_head=head, eos_token_id=7)
-    assert seen[-1] == TreeConfig(remain_total=5, eos_token_id=7)  # the call's EOS, the head's other settings
+    # the call's EOS, the head's other settings (the size of each step is the controller's)
+    assert {dataclasses.replace(s, remain_total=5) for s in seen} == {TreeConfig(remain_total=5, eos_token_id=7)}
+    seen.clear()
     model.generate(PROMPTS[0], max_new_tokens=6, do_sample=False, dart_head=head)
-    assert seen[-1] == head.tree_config == calibration.base_tree_config(model, head)
+    assert {dataclasses.replace(s, remain_total=5) for s in seen} == {head.tree_config}
+    assert head.tree_config == calibration.base_tree_config(model, head)
+    seen.clear()
+    model.generate(PROMPTS[0], max_new_tokens=6, do_sample=False, dart_head=head, dart_tree_config=fixed)
+    assert set(seen) == {TreeConfig(remain_total=5, eos_token_id=3)}  # a fixed tree: the model's EOS
     assert tree_settings(head, model.generation_config, TreeConfig(topk=4)) == TreeConfig(topk=4, eos_token_id=3)

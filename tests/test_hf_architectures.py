@@ -12,7 +12,10 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 import dart_hf
 import dart_hf.loop
 import dart_hf.target
+from dart_core import TreeConfig
 from hf_models import oracle_head, random_head, tiny_causal_lm
+
+TREE = TreeConfig()  # a fixed tree: the exactness of every architecture never rests on this CPU's speed verdict
 
 PROMPT = torch.tensor([[5, 17, 33, 2, 9, 40, 41, 7, 8]])
 
@@ -55,7 +58,7 @@ def test_every_causal_lm_decodes_as_plain_or_is_refused_by_name(model_type):
     head = oracle_head(model, plain[0], wrong_every=5)
     dart_hf.enable(model)
     try:
-        out = model.generate(PROMPT, max_new_tokens=12, do_sample=False, dart_head=head)
+        out = model.generate(PROMPT, max_new_tokens=12, do_sample=False, dart_head=head, dart_tree_config=TREE)
     except dart_hf.NotApplicable as err:
         assert model_type in REFUSED, f"refused: {err}"
         assert REFUSED[model_type] in str(err)
@@ -99,7 +102,7 @@ def chat(model, heads=None):
     history, outputs = torch.zeros(1, 0, dtype=torch.long), []
     for turn, message in enumerate(([5, 17, 33, 2, 9, 40, 41], [7, 8, 9], [60, 61, 3, 4])):
         ids = torch.cat((history, torch.tensor([message])), dim=1)
-        kwargs = {} if heads is None else {"dart_head": heads[turn]}
+        kwargs = {} if heads is None else {"dart_head": heads[turn], "dart_tree_config": TREE}
         history = model.generate(ids, max_new_tokens=10, do_sample=False, past_key_values=cache, **kwargs)
         outputs.append(history)
     return outputs
@@ -117,7 +120,8 @@ def test_sliding_window_caches_decode_as_plain(model_type, window):
     dart_hf.enable(model)
     with warnings.catch_warnings():
         warnings.simplefilter("error", dart_hf.DartFallbackWarning)
-        assert torch.equal(model.generate(ids, dart_head=random_head(model, seed=2), **kwargs), plain)
+        assert torch.equal(model.generate(ids, dart_head=random_head(model, seed=2), dart_tree_config=TREE, **kwargs),
+                           plain)
         heads = [oracle_head(model, reply[0], wrong_every=3) for reply in plain_chat]
         for got, want in zip(chat(model, heads), plain_chat):
             assert torch.equal(got, want)

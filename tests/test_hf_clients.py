@@ -12,7 +12,7 @@ import torch
 from transformers import DynamicCache, pipeline
 
 import dart_hf
-from hf_models import char_tokenizer, oracle_head, random_head, tiny_target
+from hf_models import attach, char_tokenizer, oracle_head, random_head, tiny_target
 
 CONTEXTS = ["Q: what is 2+2?\nA:", "hello there", "Q: x\nA: y\n\nQ: z\nA:", "abc", "The cat sat", "Q: 7*6?\nA:",
             "def f(x):", "1, 2, 3,", "Once upon"]
@@ -42,7 +42,7 @@ def test_lm_eval_generate_until_equals_plain(harness_model, batch_size):
     model, tokenizer = harness_model
     model = copy.deepcopy(model)
     plain = harness(model, tokenizer, batch_size).generate_until(requests(CONTEXTS))
-    dart_hf.enable(model, random_head(model))
+    attach(model, random_head(model))
     with warnings.catch_warnings():
         warnings.simplefilter("error", dart_hf.DartFallbackWarning)  # every call decodes with DART
         out = harness(model, tokenizer, batch_size).generate_until(requests(CONTEXTS))
@@ -59,7 +59,7 @@ def attached():
     model = tiny_target()
     plain = model.generate(PROMPT, max_new_tokens=16, do_sample=False)
     head = oracle_head(model, plain[0])
-    return dart_hf.enable(model, head), head, plain
+    return attach(model, head), head, plain
 
 
 def test_every_generate_call_decodes_with_the_attached_head():
@@ -206,7 +206,7 @@ def test_a_pipeline_on_an_enabled_model_gets_dart():
     generator = pipeline("text-generation", model=model, tokenizer=tokenizer)
     texts = ["hello", "abc def", "x"]
     plain = generator(texts, max_new_tokens=10, do_sample=False, batch_size=2)
-    dart_hf.enable(model, random_head(model))
+    attach(model, random_head(model))
     with warnings.catch_warnings():
         warnings.simplefilter("error", dart_hf.DartFallbackWarning)
         out = generator(texts, max_new_tokens=10, do_sample=False, batch_size=2)

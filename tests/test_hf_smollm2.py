@@ -7,6 +7,7 @@ import torch
 from transformers import TextIteratorStreamer, TextStreamer, pipeline
 
 import dart_hf
+from conftest import TEST_THREADS
 from dart_bench import read_prompt_rows
 from dart_core import DartConfig, DartHead
 
@@ -15,7 +16,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def smollm2():
-    torch.set_num_threads(1)
+    torch.set_num_threads(TEST_THREADS)
     model, tokenizer = dart_hf.load_smollm2()
     return dart_hf.enable(model), tokenizer
 
@@ -105,7 +106,8 @@ def test_lm_eval_generate_until_with_the_shipped_head_equals_plain(batch_size):
     from lm_eval.models.huggingface import HFLM
 
     model, tokenizer, head = dart_hf.load_default()
-    attached = dart_hf.enable(copy.deepcopy(model), head)
+    tree = dart_hf.calibration.base_tree_config(model, head)  # the head's own tree: DART whatever this CPU's speed
+    attached = dart_hf.enable(copy.deepcopy(model), head, tree_config=tree)
     rows = read_prompt_rows("gsm8k")[12:18]  # a shot and five questions the model answers within the stop strings
     shot = f"Question: {rows[0]['question']}\nAnswer: {rows[0]['answer']}\n\n"
     contexts = [f"{shot}Question: {r['question']}\nAnswer:" for r in rows[1:]]

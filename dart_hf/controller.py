@@ -1,0 +1,742 @@
+"""Which tree each DART step verifies, decided from what DART measures while it runs, so that DART is never slower
+than plain decoding (`SpeedController`; the loop asks a `CallPolicy` before every step).
+
+What is estimated, per target, head and machine setting (device, dtype, threads):
+
+- tau(R): the tokens a verify step yields per sequence with a tree of R draft nodes (the bonus token included). It
+  depends on the head, the target and the text, not on the machine or the batch, so one estimate serves every regime
+  (kept apart for greedy and sampled calls). A step verified with a tree of R nodes also tells what a tree of any
+  r <= R would have accepted from the same state (the leading accepted nodes of selection rank < r,
+  `dart_hf.calibration`), so every step updates tau(r) for all r <= R. Prior: the head's shipped acceptance curve,
+  counted as `PRIOR_TAU_WEIGHT` steps; a head without one learns it from its own calls, starting with its largest
+  tree.
+- Per regime, a (batch size, context length) bucket (`regime_key`): the seconds of one plain step (`Regime.plain`,
+  from the calls' own plain steps and from plain `generate()` calls, timed per step), of one DART step at each tree
+  size (`Regime.steps`), and `Regime.scale`, observed over predicted DART step time. A tree size never timed in a
+  regime is predicted as scale x (head + search + rest of a step + t_verify(B x (R + 1))) from the first-call
+  `MachineCost` (`dart_hf.calibration`): a batch of B verifies B x (R + 1) rows.
+
+Every estimate is a running mean whose older observations fade (`Mean`), so a machine whose load or speed changes is
+followed within a few steps.
+
+The choice (`choose_tree_size`): R* = argmax over tree sizes with known tau of tau(R) / t_step(R) (ties: the smaller
+R); expected speedup over plain = tau(R*) x t_plain / t_step(R*). Each step takes R*, except that every
+`EXPLORE_EVERY`-th step of a regime tries a neighbouring size (up and down in turn: a larger tree also measures tau
+above R*), and, for an attached head, a regime's first step and every `PLAIN_EVERY`-th one is a plain step, which
+measures plain decoding there.
+
+Falling back, for an attached head (`dart_hf.enable(model, head)`): once a call has made `WINDOW` DART steps in a
+regime, whenever the expected speedup there is below 1 the call finishes that regime plain (the roots alone, one
+token per sequence and step, exactly as plain decoding decides it), and later calls that start in the regime run as
+plain `generate()`, with one `DartFallbackWarning` per regime and the numbers. After `FIRST_PROBE_AFTER` plain calls
+(doubling after every probe that loses, up to `MAX_PROBE_AFTER`) a call in the regime runs DART again (a probe):
+a first measurement made on a loaded machine switches DART off only until then. A call with `dart_head=` decodes with
+DART whatever the estimates say (the tree sizes still adapt); a call with a fixed tree (`dart_tree_config=` or
+`enable(..., tree_config=...)`) decodes with that tree and teaches the estimates.
+
+What is learned is kept beside the machine cost, under the same key (`<key>.learned.json` in
+`$DART_SPEC_CACHE/machine/`), merged entry by entry with what other processes wrote (the newer entry wins, under a file
+lock) at most every `SAVE_EVERY_S` seconds and at exit; a cache that cannot be written keeps it in memory.
+
+    choice = dart_hf.tree_choice(model, head)        # the current choice at batch 1 (None: nothing known of tau yet)
+    tree = dart_hf.calibrate(model, tokenizer, head) # measure the acceptance curve and the machine cost now
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import dataclasses
+import math
+import statistics
+import threading
+import time
+import warnings
+import weakref
+from pathlib import Path
+from typing import Callable, Iterable, Optional
+
+import torch
+from transformers import StoppingCriteria
+
+from dart_core import AcceptanceCurve, DartHead, TreeConfig
+from dart_core.errors import DartInputError
+from dart_hf.calibration import (CANDIDATES, NO_FILE, DartCacheWarning, MachineCost, base_tree_config, cost_path,
+                                 identity, machine_cost, measure_acceptance, monotone, read_cache_file,
+                                 write_cache_file)
+from dart_runtime.timing import now
+
+# ---- the constants of the controller ----------------------------------------------------------------------------
+# None of these encodes a machine fact: they set how fast estimates follow the machine and how much evidence a
+# decision needs.
+STEP_DECAY = 0.85  # step and plain-step seconds rest on about 1 / (1 - 0.85) = 7 recent observations
+TAU_DECAY = 0.98  # tau(R) rests on about 50 recent sequence-steps (acceptance varies with the text step by step)
+PRIOR_TAU_WEIGHT = 4.0  # the shipped acceptance curve counts as 4 sequence-steps: a call's own steps soon outweigh it
+MIN_PLAIN_WEIGHT = 1.5  # a regime's plain cost is trusted once it rests on 2 plain steps (one alone may be an outlier)
+MIN_TAU_WEIGHT = 3.0  # a tree size is chosen only once tau there rests on 3 sequence-steps (or the prior)
+WINDOW = 4  # DART steps a call makes in a regime before the estimates may send it plain there
+EXPLORE_EVERY = 8  # every 8th step of a regime tries a neighbouring tree size
+PLAIN_EVERY = 64  # every 64th step of a regime (attached heads) is a plain step, refreshing plain's cost
+FIRST_PROBE_AFTER, MAX_PROBE_AFTER = 2, 64  # plain calls in a plain regime before DART is tried again (doubling)
+OUTLIER = 2.0  # a step time above twice its estimate counts as twice (`Mean.add_robust`)
+SAVE_EVERY_S = 10.0  # the learned state reaches the disk at most this often (and at exit)
+LEARNED_VERSION = 1
+CONTEXT_BUCKET_MIN = 256  # contexts up to 256 positions share a regime; above, one regime per power of two
+
+
+# ---- running estimates ----------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Mean:
+    """A running mean whose observations fade: adding one with `decay` multiplies the weight of the older ones by it."""
+
+    total: float = 0.0
+    weight: float = 0.0
+
+    def add(self, value: float, decay: float, weight: float = 1.0) -> None:
+        self.total = self.total * decay + value * weight
+        self.weight = self.weight * decay + weight
+
+    def add_robust(self, value: float, decay: float) -> None:
+        """`add`, an observation above `OUTLIER` times the mean counting as that (one slow spell of the machine moves
+        the estimate by a bounded step; a lasting change is followed within a few observations)."""
+        mean = self.value
+        self.add(value if mean is None or self.weight < 1.0 else min(value, OUTLIER * mean), decay)
+
+    @property
+    def value(self) -> Optional[float]:
+        return self.total / self.weight if self.weight > 0 else None
+
+    def to_list(self) -> list[float]:
+        return [self.total, self.weight]
+
+    @classmethod
+    def from_list(cls, raw, name: str, minimum: float) -> "Mean":
+        """From [total, weight] with weight >= 0 and, when it is > 0, mean >= `minimum`; DartInputError otherwise."""
+        if not isinstance(raw, list) or len(raw) != 2 or any(
+                isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) for x in raw):
+            raise DartInputError(f"{name} is {raw!r}, not [total, weight] of two finite numbers")
+        mean = cls(float(raw[0]), float(raw[1]))
+        if mean.weight < 0 or (mean.weight > 0 and not mean.value >= minimum):
+            raise DartInputError(f"{name} is {raw!r}: the weight must be >= 0 and the mean >= {minimum}")
+        return mean
+
+
+def bucket(n: int, minimum: int = 1) -> int:
+    """The power of two >= n (at least `minimum`)."""
+    out = minimum
+    while out < n:
+        out *= 2
+    return out
+
+
+def regime_key(batch_size: int, context_length: int) -> tuple[int, int]:
+    """(batch bucket, context bucket): a step of `batch_size` sequences over `context_length` cache positions."""
+    return bucket(max(batch_size, 1)), bucket(context_length, CONTEXT_BUCKET_MIN)
+
+
+def accepted_within(ranks: list[int], size: int) -> int:
+    """Draft tokens a tree of `size` nodes would have accepted: the leading accepted nodes of rank < size."""
+    n = 0
+    while n < len(ranks) and ranks[n] < size:
+        n += 1
+    return n
+
+
+@dataclasses.dataclass
+class Regime:
+    """What steps cost in one regime on this machine, and whether DART runs there."""
+
+    plain: Mean = dataclasses.field(default_factory=Mean)  # seconds of one plain step
+    steps: dict = dataclasses.field(default_factory=dict)  # tree size -> Mean of seconds of one DART step
+    scale: Mean = dataclasses.field(default_factory=Mean)  # observed / predicted DART step time
+    mode: str = "dart"  # "dart", or "plain": calls starting here run as plain generate() until a probe
+    probe_after: int = FIRST_PROBE_AFTER  # plain calls before the next probe
+    plain_calls: int = 0  # plain calls since the last probe
+    updated: float = 0.0  # wall-clock time of the last change (merging keeps the newer regime)
+    count: int = 0  # steps seen here in this process (the exploration schedule; not saved)
+
+    def to_dict(self) -> dict:
+        return {"plain": self.plain.to_list(), "steps": {str(r): m.to_list() for r, m in sorted(self.steps.items())},
+                "scale": self.scale.to_list(), "mode": self.mode, "probe_after": self.probe_after,
+                "plain_calls": self.plain_calls, "updated": self.updated}
+
+    @classmethod
+    def from_dict(cls, raw, name: str) -> "Regime":
+        if not isinstance(raw, dict):
+            raise DartInputError(f"{name} is not an object")
+        try:
+            steps = {int(r): Mean.from_list(m, f"{name}.steps[{r}]", 1e-9) for r, m in raw["steps"].items()}
+            regime = cls(Mean.from_list(raw["plain"], f"{name}.plain", 1e-9), steps,
+                         Mean.from_list(raw["scale"], f"{name}.scale", 1e-9), raw["mode"], raw["probe_after"],
+                         raw["plain_calls"], raw["updated"])
+        except (KeyError, AttributeError, ValueError, TypeError) as err:
+            if isinstance(err, DartInputError):
+                raise
+            raise DartInputError(f"{name}: malformed ({type(err).__name__}: {err})") from None
+        if any(r < 1 for r in steps):
+            raise DartInputError(f"{name}: tree sizes must be >= 1")
+        if regime.mode not in ("dart", "plain"):
+            raise DartInputError(f"{name}.mode is {regime.mode!r}, not 'dart' or 'plain'")
+        for field, low, high in (("probe_after", 1, MAX_PROBE_AFTER), ("plain_calls", 0, 10**9)):
+            value = getattr(regime, field)
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise DartInputError(f"{name}.{field} is {value!r}, not an integer in {low}..{high}")
+        if isinstance(regime.updated, bool) or not isinstance(regime.updated, (int, float)) \
+                or not math.isfinite(regime.updated):
+            raise DartInputError(f"{name}.updated is not a number")
+        return regime
+
+
+# ---- the rule ---------------------------------------------------------------------------------------------------
+
+def choose_tree_size(tau: dict[int, float], step_s: dict[int, float], plain_s: Optional[float]
+                     ) -> tuple[int, list[dict]]:
+    """R* = argmax_R tau(R) / step_s(R) over the sizes both know (ties: the smaller R) -> (R*, one row per such R:
+    {remain_total, tau, step_ms, tokens_per_s, speedup}); speedup = tau x plain_s / step_s (None without plain_s).
+    tau {R: tokens per sequence and step}; step_s {R: seconds of one step}; plain_s: seconds of one plain step."""
+    rows = []
+    for r in sorted(set(tau) & set(step_s)):
+        rate = tau[r] / step_s[r]
+        rows.append({"remain_total": r, "tau": tau[r], "step_ms": step_s[r] * 1e3, "tokens_per_s": rate,
+                     "speedup": None if plain_s is None else rate * plain_s})
+    if not rows:
+        raise ValueError("no tree size has both a tau and a step time")
+    best = max(rows, key=lambda row: (row["tokens_per_s"], -row["remain_total"]))
+    return best["remain_total"], rows
+
+
+@dataclasses.dataclass
+class TreeChoice:
+    """The tree size the controller would choose now for one regime: `remain_total`, its `tree_config`, the
+    `expected_speedup` over plain decoding (None while plain's cost there is unknown), one row per tree size
+    (`choose_tree_size`), the regime (batch bucket, context bucket) and the first-call cost it started from."""
+
+    remain_total: int
+    tree_config: TreeConfig
+    expected_speedup: Optional[float]
+    rows: list[dict]
+    regime: tuple[int, int]
+    plain_ms: Optional[float]
+    cost: Optional[MachineCost]
+
+    @property
+    def pays(self) -> bool:
+        """Whether DART is expected to beat plain decoding here (True while plain's cost is unknown)."""
+        return self.expected_speedup is None or self.expected_speedup > 1.0
+
+    def summary(self) -> str:
+        """One line: the choice and the numbers behind it."""
+        row = next(r for r in self.rows if r["remain_total"] == self.remain_total)
+        plain = "plain step not measured yet" if self.plain_ms is None else f"one plain step {self.plain_ms:.1f} ms"
+        expected = "" if self.expected_speedup is None else f", expected {self.expected_speedup:.2f}x over plain"
+        return (f"tree of {self.remain_total} draft nodes{expected} ({plain}; a step with this tree "
+                f"{row['step_ms']:.1f} ms for tau {row['tau']:.2f}; batch <= {self.regime[0]}, context <= "
+                f"{self.regime[1]})")
+
+    def format_table(self) -> str:
+        """A plain-text table: the first-call latency curve, then tau, step time and expected speedup per size."""
+        lines = []
+        cost = self.cost
+        if cost is not None:
+            lines += [f"target forward over k new tokens on a {cost.context_length}-token cache (median ms, first "
+                      "call):", "  " + "  ".join(f"k={k}: {ms:.1f}" for k, ms in sorted(cost.verify_ms.items())),
+                      f"plain 1-token forward {cost.plain_ms:.1f} ms; per step: head {cost.head_ms:.1f} ms, "
+                      f"tree search {cost.tree_ms:.1f} ms, acceptance + KV compaction {cost.rest_ms:.1f} ms"]
+        lines.append(f"{'nodes':>5} {'tau':>6} {'step ms':>8} {'tok/s':>7} {'speedup':>7}")
+        for row in self.rows:
+            mark = "  <- chosen" if row["remain_total"] == self.remain_total else ""
+            speedup = "    n/a" if row["speedup"] is None else f"{row['speedup']:6.2f}x"
+            lines.append(f"{row['remain_total']:5d} {row['tau']:6.3f} {row['step_ms']:8.1f} "
+                         f"{row['tokens_per_s']:7.1f} {speedup}{mark}")
+        return "\n".join(lines)
+
+
+# ---- the controller ---------------------------------------------------------------------------------------------
+
+class SpeedController:
+    """The estimates for one target, head and machine setting, and the choices made from them (thread-safe).
+
+    `sizes`: the tree sizes it chooses among; `cost`: the first-call `MachineCost` (None where it could not be
+    measured: sizes are then predicted only where timed); `curve`: the head's shipped acceptance curve (or None);
+    `start_size`: the first tree of a head without a curve; `path`: where the learned state is kept (None: memory)."""
+
+    def __init__(self, sizes: Iterable[int], cost: Optional[MachineCost], curve: Optional[AcceptanceCurve],
+                 start_size: int, path: Optional[Path] = None, ident: Optional[dict] = None) -> None:
+        self.sizes = sorted(set(int(r) for r in sizes))
+        if not self.sizes or self.sizes[0] < 1:
+            raise ValueError("a controller needs tree sizes >= 1")
+        self.cost, self.path, self.ident = cost, path, ident or {}
+        self.start_size = min(max(start_size, 1), self.sizes[-1])
+        self.lock = threading.RLock()
+        self.tau: dict[bool, dict[int, Mean]] = {False: {}, True: {}}  # sampled -> size -> tokens per sequence-step
+        self.tau_updated: dict[bool, float] = {False: 0.0, True: 0.0}
+        if curve is not None:
+            for sampled in (False, True):
+                for r in self.sizes:
+                    known = [s for s in curve.tau if s <= r]
+                    if known:  # a size between the curve's sizes takes the tau of the largest size below it
+                        self.tau[sampled][r] = Mean(curve.tau[max(known)] * PRIOR_TAU_WEIGHT, PRIOR_TAU_WEIGHT)
+        self.regimes: dict[tuple[int, int], Regime] = {}
+        self.warned: set[tuple[int, int]] = set()
+        self.warm: set[tuple] = set()  # (regime key, size) timed once in this process (0: plain)
+        self.dirty = False
+        self.last_save = now()
+        if path is not None:
+            self._load()
+
+    @property
+    def max_size(self) -> int:
+        return self.sizes[-1]
+
+    # -- estimates --
+
+    def regime(self, batch_size: int, context_length: int) -> Regime:
+        """The regime of a step (where the first-call measurement says no tree pays, it starts plain)."""
+        key = regime_key(batch_size, context_length)
+        regime = self.regimes.get(key)
+        if regime is None:
+            regime = self.regimes[key] = Regime()
+            expected = self.expected(key, False)
+            if expected is not None and expected < 1.0:
+                regime.mode = "plain"
+        return regime
+
+    def plain_s(self, key: tuple[int, int]) -> Optional[float]:
+        """Seconds of one plain step in regime `key`: timed there, else the first-call measurement where that is
+        the regime it measured (until a real plain step is timed there), else None."""
+        timed = self.regimes[key].plain.value
+        if timed is not None or self.cost is None or key != regime_key(1, self.cost.context_length):
+            return timed
+        return self.cost.plain_ms / 1e3
+
+    def prior_step_s(self, key: tuple[int, int], size: int) -> Optional[float]:
+        """The first-call prediction of one DART step at `size` in regime `key` (None without a measured cost)."""
+        if self.cost is None:
+            return None
+        return (self.cost.fixed_ms + self.cost.verify_at(key[0] * (size + 1))) / 1e3
+
+    def step_s(self, key: tuple[int, int], size: int) -> Optional[float]:
+        """Seconds of one DART step at `size` in regime `key`: timed there, else the prior times the regime's
+        scale."""
+        regime = self.regimes[key]
+        timed = regime.steps.get(size)
+        if timed is not None and timed.weight > 0:
+            return timed.value
+        prior = self.prior_step_s(key, size)
+        return None if prior is None else prior * (regime.scale.value or 1.0)
+
+    def tau_of(self, sampled: bool) -> dict[int, float]:
+        """{size: tau} for the sizes whose estimate rests on enough evidence, made non-decreasing in the size (a
+        larger tree holds every smaller one: a dip is noise)."""
+        return monotone({r: m.value for r, m in self.tau[sampled].items() if m.weight >= MIN_TAU_WEIGHT})
+
+    def best(self, key: tuple[int, int], sampled: bool) -> Optional[tuple[int, list[dict]]]:
+        """(R*, rows) in regime `key` (`choose_tree_size`), or None while no size has both estimates."""
+        tau = self.tau_of(sampled)
+        steps = {r: s for r in tau if (s := self.step_s(key, r)) is not None}
+        if not steps:
+            return None
+        return choose_tree_size(tau, steps, self.plain_s(key))
+
+    def expected(self, key: tuple[int, int], sampled: bool) -> Optional[float]:
+        """The expected speedup of the best tree over plain in regime `key` (None while either is unknown)."""
+        best = self.best(key, sampled)
+        if best is None:
+            return None
+        return next(row for row in best[1] if row["remain_total"] == best[0])["speedup"]
+
+    def cold(self, key: tuple[int, int], size: int) -> bool:
+        """Whether this is the first step of `size` (0: plain) timed in regime `key` in this process: its time
+        holds one-off costs (new shapes, the few-row kernel's first measurement) and is not taken."""
+        if (key, size) in self.warm:
+            return False
+        self.warm.add((key, size))
+        return True
+
+    def observe_plain(self, key: tuple[int, int], seconds: float, cold_ok: bool = False) -> None:
+        """A plain step took `seconds` in regime `key` (`cold_ok`: a median of several, no one-off costs)."""
+        with self.lock:
+            regime = self.regimes[key] if key in self.regimes else self.regime(*key)
+            if self.cold(key, 0) and not cold_ok:
+                return
+            regime.plain.add_robust(seconds, STEP_DECAY)
+            regime.updated, self.dirty = time.time(), True
+
+    def observe_step(self, key: tuple[int, int], size: int, seconds: float, ranks: list[list[int]],
+                     sampled: bool) -> None:
+        """A DART step at `size` took `seconds` and accepted nodes of `ranks` (per sequence)."""
+        with self.lock:
+            regime = self.regimes[key]
+            if not self.cold(key, size):
+                regime.steps.setdefault(size, Mean()).add_robust(seconds, STEP_DECAY)
+                prior = self.prior_step_s(key, size)
+                if prior is not None:
+                    regime.scale.add_robust(seconds / prior, STEP_DECAY)
+            table = self.tau[sampled]
+            for row in ranks:
+                for r in self.sizes:
+                    if r > size:
+                        break
+                    table.setdefault(r, Mean()).add(1.0 + accepted_within(row, r), TAU_DECAY)
+            regime.updated = self.tau_updated[sampled] = time.time()
+            self.dirty = True
+
+    # -- calls --
+
+    def call_mode(self, batch_size: int, context_length: int) -> tuple[str, Optional[str]]:
+        """How an attached head's call that starts in this regime runs: ("dart" | "probe" | "plain", the warning to
+        give for a plain call, once per regime, else None)."""
+        with self.lock:
+            key = regime_key(batch_size, context_length)
+            regime = self.regime(batch_size, context_length)
+            if regime.mode == "dart":
+                return "dart", None
+            regime.plain_calls += 1
+            regime.updated, self.dirty = time.time(), True
+            if regime.plain_calls >= regime.probe_after:
+                regime.plain_calls = 0
+                return "probe", None
+            return "plain", self.fallback_message(key, False)
+
+    def fallback_message(self, key: tuple[int, int], sampled: bool) -> Optional[str]:
+        """The one warning of a regime where DART runs plain, with the numbers (None once given)."""
+        if key in self.warned:
+            return None
+        self.warned.add(key)
+        best = self.best(key, sampled)
+        regime = self.regimes[key]
+        where = f"batch <= {key[0]}, context <= {key[1]} positions"
+        later = max(regime.probe_after - regime.plain_calls, 1)
+        plain = self.plain_s(key)
+        if best is None or plain is None:
+            return f"DART is not expected to beat plain decoding on this machine ({where}); calls here run plain"
+        row = next(r for r in best[1] if r["remain_total"] == best[0])
+        return (f"DART does not beat plain decoding on this machine ({where}): its best tree, {best[0]} draft "
+                f"nodes, is estimated at {row['tau']:.2f} tokens per {row['step_ms']:.1f} ms step against "
+                f"{plain * 1e3:.1f} ms per plain token ({row['speedup']:.2f}x); calls here run plain, "
+                f"and DART is tried again after {later} of them")
+
+    def go_plain(self, key: tuple[int, int], sampled: bool, probing: bool) -> Optional[str]:
+        """Regime `key` runs plain from now on (a probe that lost waits twice as long before the next); the warning
+        to give, once per regime."""
+        regime = self.regimes[key]
+        regime.probe_after = min(2 * regime.probe_after, MAX_PROBE_AFTER) if probing and regime.mode == "plain" \
+            else FIRST_PROBE_AFTER
+        regime.mode, regime.plain_calls = "plain", 0
+        regime.updated, self.dirty = time.time(), True
+        return self.fallback_message(key, sampled)
+
+    def choice(self, base: TreeConfig, batch_size: int = 1, context_length: int = 1,
+               sampled: bool = False) -> Optional[TreeChoice]:
+        """What the controller would choose now in that regime (None while nothing is known of tau)."""
+        with self.lock:
+            key = regime_key(batch_size, context_length)
+            self.regime(batch_size, context_length)
+            best = self.best(key, sampled)
+            if best is None:
+                return None
+            size, rows = best
+            plain = self.plain_s(key)
+            return TreeChoice(size, dataclasses.replace(base, remain_total=size),
+                              next(r for r in rows if r["remain_total"] == size)["speedup"], rows, key,
+                              None if plain is None else plain * 1e3, self.cost)
+
+    # -- persistence --
+
+    def state(self) -> dict:
+        return {"version": LEARNED_VERSION, "identity": self.ident,
+                "tau": {name: {"updated": self.tau_updated[s], "sizes": {str(r): m.to_list() for r, m in
+                                                                       sorted(self.tau[s].items())}}
+                        for name, s in (("greedy", False), ("sampled", True))},
+                "regimes": {f"{b}x{c}": regime.to_dict() for (b, c), regime in sorted(self.regimes.items())}}
+
+    def _adopt(self, raw: dict, newer_only: bool) -> None:
+        """Take the entries of a saved state (validated first, whole) that are newer than this one's."""
+        tau, regimes = parse_learned(raw, self.ident)
+        for sampled, (updated, table) in tau.items():
+            if not newer_only or updated > self.tau_updated[sampled]:
+                self.tau[sampled] = {**self.tau[sampled], **table} if not newer_only else table
+                self.tau_updated[sampled] = updated
+        for key, regime in regimes.items():
+            mine = self.regimes.get(key)
+            if mine is None or not newer_only or regime.updated > mine.updated:
+                if mine is not None:
+                    regime.count = mine.count
+                self.regimes[key] = regime
+
+    def _load(self) -> None:
+        try:
+            raw = read_cache_file(self.path)
+            if raw is not NO_FILE:
+                self._adopt(raw, newer_only=False)
+        except (ValueError, DartInputError) as err:
+            warnings.warn(f"ignoring the learned speed estimates {self.path}: {err}; they are learned again",
+                          DartCacheWarning, stacklevel=3)
+
+    def save(self, force: bool = False) -> None:
+        """Merge with what is on disk (newer entries win) and write, when something changed and `SAVE_EVERY_S` has
+        passed (`force`: whenever something changed)."""
+        with self.lock:
+            if self.path is None or not self.dirty or (not force and now() - self.last_save < SAVE_EVERY_S):
+                return
+            with _file_lock(self.path):
+                try:
+                    raw = read_cache_file(self.path)
+                    if raw is not NO_FILE:
+                        self._adopt(raw, newer_only=True)
+                except (ValueError, DartInputError):
+                    pass  # a damaged file is replaced by this state
+                write_cache_file(self.path, self.state())
+            self.dirty, self.last_save = False, now()
+
+
+def parse_learned(raw, ident: dict) -> tuple[dict, dict]:
+    """({sampled: (updated, {size: Mean})}, {regime key: Regime}) from a learned-state file; DartInputError naming
+    what is wrong."""
+    if not isinstance(raw, dict):
+        raise DartInputError(f"not a learned state (a JSON {type(raw).__name__}, not an object)")
+    if raw.get("version") != LEARNED_VERSION:
+        raise DartInputError(f"format version {raw.get('version')!r}, not {LEARNED_VERSION}")
+    if raw.get("identity") != ident:
+        raise DartInputError("it was learned for another target, head or machine setting")
+    try:
+        tau = {}
+        for name, sampled in (("greedy", False), ("sampled", True)):
+            entry = raw["tau"][name]
+            updated = entry["updated"]
+            if isinstance(updated, bool) or not isinstance(updated, (int, float)) or not math.isfinite(updated):
+                raise DartInputError(f"tau.{name}.updated is not a number")
+            tau[sampled] = (float(updated), {int(r): Mean.from_list(m, f"tau.{name}[{r}]", 1.0)
+                                             for r, m in entry["sizes"].items()})
+        regimes = {}
+        for name, regime in raw["regimes"].items():
+            b, c = (int(x) for x in name.split("x"))
+            if b < 1 or c < 1:
+                raise DartInputError(f"regime {name!r}: sizes must be >= 1")
+            regimes[(b, c)] = Regime.from_dict(regime, f"regimes[{name}]")
+    except (KeyError, AttributeError, TypeError, ValueError) as err:
+        if isinstance(err, DartInputError):
+            raise
+        raise DartInputError(f"malformed ({type(err).__name__}: {err})") from None
+    return tau, regimes
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    """An exclusive lock on `path` + '.lock' among processes, where the file system allows one (else no lock: the
+    write is still atomic, only a concurrent update may be lost)."""
+    try:
+        import fcntl
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(str(path) + ".lock", "a")
+    except (ImportError, OSError):
+        yield
+        return
+    try:
+        with contextlib.suppress(OSError):
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+    finally:
+        handle.close()
+
+
+# ---- one call ---------------------------------------------------------------------------------------------------
+
+class CallPolicy:
+    """The `dart_hf.loop.StepPolicy` of one generate() call: asks the controller for each step's tree and teaches it
+    what the step cost. `controller`: a function that gives the controller, called when the call starts decoding
+    (after its checks: the first call's measurement is never made for a call DART does not decode);
+    `may_go_plain`: an attached head's call, which may take plain steps and finish plain; `probe`: the call tries
+    DART in regimes that run plain; `fixed`: every step takes that tree (it only teaches). `warnings`: the
+    `DartFallbackWarning` messages the call produced (the caller gives them)."""
+
+    def __init__(self, controller: Callable[[], SpeedController], *, may_go_plain: bool, probe: bool = False,
+                 fixed: Optional[int] = None) -> None:
+        self._resolve, self.may_go_plain, self.probe, self.fixed = controller, may_go_plain, probe, fixed
+        self.controller: Optional[SpeedController] = None
+        self.max_tree_size = fixed or 0
+        self.sampled = False
+        self.dart_steps: dict[tuple[int, int], int] = {}  # DART steps of this call per regime
+        self.recent: dict[tuple[int, int], list[tuple[float, float]]] = {}  # regime -> last WINDOW (tokens, seconds)
+        self.plain_here: set[tuple[int, int]] = set()  # regimes this call finishes plain
+        self.warnings: list[str] = []
+
+    def begin(self, sampled: bool) -> None:
+        self.controller = self._resolve()
+        self.sampled = sampled
+        if self.fixed is None:
+            self.max_tree_size = self.controller.max_size
+
+    def save(self) -> None:
+        """Let the controller keep what the call taught it (`SpeedController.save`)."""
+        if self.controller is not None:
+            self.controller.save()
+
+    def tree_size(self, batch_size: int, context_length: int) -> int:
+        if self.fixed is not None:
+            return self.fixed
+        ctrl = self.controller
+        with ctrl.lock:
+            key = regime_key(batch_size, context_length)
+            regime = ctrl.regime(batch_size, context_length)
+            if self.may_go_plain:
+                if key in self.plain_here:
+                    return 0
+                if regime.mode == "plain" and not self.probe:
+                    self.plain_here.add(key)
+                    message = ctrl.fallback_message(key, self.sampled)
+                    if message is not None:
+                        self.warnings.append(message)
+                    return 0
+                if regime.plain.weight < MIN_PLAIN_WEIGHT or regime.count % PLAIN_EVERY == PLAIN_EVERY - 1:
+                    return 0  # measure plain decoding here (nothing rests on the first-call prior alone)
+            best = ctrl.best(key, self.sampled)
+            if best is None:  # nothing known of tau yet: the largest tree measures it for every size
+                return ctrl.max_size if ctrl.tau_of(self.sampled) == {} else ctrl.start_size
+            size = best[0]
+            if regime.count % EXPLORE_EVERY == EXPLORE_EVERY - 1:
+                size = self._neighbour(size, up=(regime.count // EXPLORE_EVERY) % 2 == 0)
+            return size
+
+    def _neighbour(self, size: int, up: bool) -> int:
+        sizes = self.controller.sizes
+        i = sizes.index(size) if size in sizes else 0
+        j = i + 1 if (up and i + 1 < len(sizes)) or i == 0 else i - 1
+        return sizes[min(max(j, 0), len(sizes) - 1)]
+
+    def observe(self, tree_size: int, batch_size: int, context_length: int, seconds: float,
+                accepted_ranks: list[list[int]]) -> None:
+        ctrl = self.controller
+        key = regime_key(batch_size, context_length)
+        with ctrl.lock:
+            regime = ctrl.regime(batch_size, context_length)
+            regime.count += 1
+            if tree_size == 0:
+                ctrl.observe_plain(key, seconds)
+                return
+            ctrl.observe_step(key, tree_size, seconds, accepted_ranks, self.sampled)
+            if self.fixed is not None or not self.may_go_plain:
+                return
+            self.dart_steps[key] = self.dart_steps.get(key, 0) + 1
+            tokens = 1.0 + sum(map(len, accepted_ranks)) / max(len(accepted_ranks), 1)
+            recent = self.recent.setdefault(key, [])
+            recent.append((tokens, seconds))
+            del recent[:-WINDOW]
+            if self.dart_steps[key] < WINDOW:
+                return
+            expected, plain = ctrl.expected(key, self.sampled), ctrl.plain_s(key)
+            if expected is None or plain is None:
+                return
+            # slower than plain both by the estimates and over this call's last WINDOW steps here
+            observed = sum(t for t, _ in recent) / sum(s for _, s in recent) * plain
+            if expected < 1.0 and observed < 1.0:
+                self.plain_here.add(key)
+                message = ctrl.go_plain(key, self.sampled, probing=self.probe or regime.mode == "plain")
+                if message is not None:
+                    self.warnings.append(message)
+            elif regime.mode == "plain":  # a probe that pays: DART runs here again
+                regime.mode, regime.probe_after, regime.plain_calls = "dart", FIRST_PROBE_AFTER, 0
+                regime.updated, ctrl.dirty = time.time(), True
+
+
+class PlainClock(StoppingCriteria):
+    """A stopping criterion that never stops: it notes when plain `generate()` finishes each step, so that the
+    controller learns what a plain step costs (`report`)."""
+
+    def __init__(self) -> None:
+        self.marks: list[tuple[float, int, int]] = []  # (time, batch size, sequence length)
+
+    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
+        self.marks.append((now(), int(input_ids.shape[0]), int(input_ids.shape[1])))
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    def report(self, controller: SpeedController) -> None:
+        """Give the controller the median step time of each regime the call went through."""
+        by_regime: dict[tuple[int, int], list[float]] = {}
+        for (t0, _, _), (t1, batch, length) in zip(self.marks, self.marks[1:]):
+            by_regime.setdefault(regime_key(batch, length - 1), []).append(t1 - t0)
+        for key, times in by_regime.items():
+            controller.observe_plain(key, statistics.median(times), cold_ok=len(times) >= 3)
+
+
+# ---- one controller per target, head and machine setting ---------------------------------------------------------
+
+# per head: {(target id, dtype, device, threads, acceptance id, search settings): SpeedController}
+_CONTROLLERS: "weakref.WeakKeyDictionary[DartHead, dict]" = weakref.WeakKeyDictionary()
+_CONTROLLERS_LOCK = threading.Lock()
+_LIVE: "weakref.WeakSet[SpeedController]" = weakref.WeakSet()
+
+
+def _key(model, head: DartHead) -> tuple:
+    param = next(model.parameters())
+    base = dataclasses.replace(base_tree_config(model, head), remain_total=1)
+    return id(model), param.dtype, param.device, torch.get_num_threads(), id(head.acceptance), base
+
+
+def existing_controller(model, head: DartHead) -> Optional[SpeedController]:
+    """The controller of `head` on `model` here, if a call made one (no measurement)."""
+    with _CONTROLLERS_LOCK:
+        return _CONTROLLERS.get(head, {}).get(_key(model, head))
+
+
+def controller_for(model, head: DartHead) -> SpeedController:
+    """The controller of `head` on `model` with this machine setting: made at the first call, from the head's
+    acceptance curve, the machine cost (measured and cached, `dart_hf.calibration.machine_cost`) and what earlier
+    calls learned. A cost that cannot be measured leaves the controller without a prior (one warning)."""
+    key = _key(model, head)
+    with _CONTROLLERS_LOCK:
+        found = _CONTROLLERS.get(head, {}).get(key)
+        if found is not None:
+            return found
+        try:
+            cost = machine_cost(model, head)
+        except Exception as err:  # noqa: BLE001 -- the prior is optional: no failure of it may fail the call
+            warnings.warn(f"dart-spec could not measure what a verify step costs here ({type(err).__name__}: {err}); "
+                          "the tree sizes are learned from the calls alone", DartCacheWarning, stacklevel=3)
+            cost = None
+        base = base_tree_config(model, head)
+        curve = head.acceptance
+        largest = max(curve.tau) if curve is not None else base.remain_total
+        sizes = [r for r in CANDIDATES if r <= largest] + ([largest] if largest not in CANDIDATES else [])
+        ident = identity(model, head)
+        path = cost_path(ident).with_suffix(".learned.json")
+        controller = SpeedController(sizes, cost, curve, start_size=base.remain_total, path=path, ident=ident)
+        _CONTROLLERS.setdefault(head, {})[key] = controller
+        _LIVE.add(controller)
+        return controller
+
+
+@atexit.register
+def _save_all() -> None:
+    for controller in list(_LIVE):
+        with contextlib.suppress(Exception):  # at exit, a cache that cannot be written has warned already
+            controller.save(force=True)
+
+
+def tree_choice(model, head: DartHead, batch_size: int = 1, context_length: int = 1) -> Optional[TreeChoice]:
+    """The tree size the controller would choose now for `head` on `model` (a batch of `batch_size` over
+    `context_length` positions), from the head's acceptance curve, this machine's cost and what calls taught it;
+    None while nothing is known of the head's acceptance."""
+    controller = controller_for(model, head)
+    return controller.choice(base_tree_config(model, head), batch_size, context_length)
+
+
+def prior_choice(curve: AcceptanceCurve, cost: MachineCost, base: TreeConfig) -> TreeChoice:
+    """The choice the priors alone give at batch 1 on the cost's context (before any call teaches a controller):
+    `curve`'s sizes, `base`'s other search settings."""
+    controller = SpeedController(curve.tau, cost, curve, start_size=base.remain_total)
+    return controller.choice(base, 1, cost.context_length)
+
+
+def calibrate(model, tokenizer, head: DartHead, prompts: Optional[Iterable] = None, *, max_nodes: int = 60,
+              candidates: Optional[Iterable[int]] = None, max_new_tokens: int = 64, context_length: int = 256,
+              repeats: int = 3, progress: Optional[bool] = True) -> Optional[TreeChoice]:
+    """Measure both priors now: the acceptance curve (set as `head.acceptance`; `head.save_pretrained` ships it) and
+    this machine's cost (cached); returns the choice they give at batch 1."""
+    head.acceptance = measure_acceptance(model, tokenizer, head, prompts, max_nodes=max_nodes, candidates=candidates,
+                                         max_new_tokens=max_new_tokens, progress=progress)
+    machine_cost(model, head, refresh=True, progress=progress, max_nodes=max(head.acceptance.tau),
+                 context_length=context_length, repeats=repeats)
+    return tree_choice(model, head)
