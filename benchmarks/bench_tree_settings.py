@@ -9,7 +9,7 @@ from a prefix of that order, not from the shipped head, whose data covers all of
 and HumanEval prompts (`--mt-bench`, `--humaneval`: held out from every shipped head). Every setting (a JSON object
 of `TreeConfig` fields that replace the head's) runs once with a `--max-nodes` tree; the selection rank of each
 accepted node gives the tau a smaller tree of the same search would have reached (`DartStats.tau_at`), so one run
-per setting covers every tree size. Each `--ngram` file is run with the head's
+per setting covers every tree size; each row also gives the tau of each prompt set alone (`tau_by_set`). Each `--ngram` file is run with the head's
 settings. Measures acceptance only: tokens/s on a CPU come from `bench_default_head.py`.
 """
 
@@ -27,6 +27,7 @@ from dart_bench import encode_prompts, prompt_set, script_parser, write_results
 from dart_core import TreeConfig
 from dart_core.ngram import NGramModel
 from dart_hf.calibration import acceptance_run, base_tree_config
+from dart_hf.loop import DartStats
 
 TREE_SIZES = (1, 2, 3, 4, 8, 16, 32, 60)  # float32 trees on a CPU: 1-4 nodes; bfloat16: 8-32; a GPU: 60
 # requests written for this script (not from any benchmark set)
@@ -77,7 +78,9 @@ def main(argv=None) -> int:
         parser.error(f"n-gram file(s) not found: {', '.join(missing)}")
     torch.set_num_threads(args.threads)
     model, tokenizer, head = dart_hf.load_default(args.head)
-    prompts = encode_prompts(tokenizer, [q for texts in sets.values() for q in texts] + list(OWN_PROMPTS))
+    named = {**{name: texts for name, texts in sets.items() if texts}, "own": list(OWN_PROMPTS)}
+    encoded = {name: encode_prompts(tokenizer, texts) for name, texts in named.items()}
+    prompts = [ids for ids_of_set in encoded.values() for ids in ids_of_set]
     base = base_tree_config(model, head)
     # (what the row says, TreeConfig overrides, n-gram): every n-gram file is loaded (and checked) before any run
     runs = ([({"settings": s}, s, head.ngram) for s in settings]
@@ -87,8 +90,13 @@ def main(argv=None) -> int:
     for label, overrides, ngram in runs:
         config = dataclasses.replace(base, remain_total=args.max_nodes, **overrides)
         head.ngram = ngram
-        stats = acceptance_run(model, head, prompts, config, max_new_tokens=args.max_new_tokens)
-        row = {**label, "tau": {r: round(stats.tau_at(r), 3) for r in sizes}}
+        by_set = {name: acceptance_run(model, head, ids, config, max_new_tokens=args.max_new_tokens)
+                  for name, ids in encoded.items()}  # one run per prompt set, merged: the same run as one over all
+        stats = DartStats()
+        for part in by_set.values():
+            stats.merge(part)
+        row = {**label, "tau": {r: round(stats.tau_at(r), 3) for r in sizes},
+               "tau_by_set": {name: {r: round(part.tau_at(r), 3) for r in sizes} for name, part in by_set.items()}}
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.json:

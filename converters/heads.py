@@ -258,6 +258,60 @@ def convert_eagle3(src: PathLike, dst: PathLike, draft_length: int, seed: int = 
             "draft_length": draft_length, "seed": seed, "target_layer_ids": taps}
 
 
+# =====================================================================================================================
+# a wider head from a narrower one (warm start of a capacity variant)
+# =====================================================================================================================
+
+
+def widen_mlp(head: DartHead, intermediate_size: int, seed: int = 0) -> DartHead:
+    """A copy of `head` with an MLP of `intermediate_size` units that computes exactly what `head` computes.
+
+    The first I units are the head's own; each new unit gets gate/up rows drawn as `nn.Linear` initialises them
+    (uniform in +-1/sqrt(H), from `torch.Generator().manual_seed(seed)`) and a zero column of `down_proj`, so it adds
+    nothing until training moves that column (the gradient reaches the column at once, the rows once it is non-zero).
+    Everything else (weights, vocabulary buffers, embedding, n-gram, tree settings, acceptance curve) is kept."""
+    old = head.config.intermediate_size
+    if isinstance(intermediate_size, bool) or not isinstance(intermediate_size, int) or intermediate_size < old:
+        raise DartInputError(f"intermediate_size must be an integer >= the head's {old}, got {intermediate_size!r}")
+    config = DartConfig.from_dict({**head.config.to_dict(), "intermediate_size": intermediate_size})
+    wide = type(head)(config)
+    state = {k: v.detach().clone() for k, v in head.state_dict().items()}
+    mlp = "midlayer.mlp."
+    hidden, extra = config.hidden_size, intermediate_size - old
+    gen = torch.Generator().manual_seed(int(seed))
+    bound = 1.0 / hidden ** 0.5
+    for name in ("gate_proj", "up_proj"):
+        w = state[f"{mlp}{name}.weight"]
+        new_rows = (torch.rand(extra, hidden, generator=gen, dtype=torch.float32) * 2 - 1) * bound
+        state[f"{mlp}{name}.weight"] = torch.cat((w, new_rows.to(w.dtype)), dim=0)
+    down = state[f"{mlp}down_proj.weight"]
+    state[f"{mlp}down_proj.weight"] = torch.cat((down, down.new_zeros(hidden, extra)), dim=1)
+    wide.load_state_dict(state, strict=True)
+    wide.to(head.fc.weight.dtype)
+    embed = head.get_input_embeddings()
+    if embed is not None:
+        wide.set_input_embeddings(embed, save_with_head=head._embedding_from_checkpoint)
+    wide.ngram, wide.tree_config, wide.acceptance = head.ngram, head.tree_config, head.acceptance
+    return wide
+
+
+def convert_widen(src: PathLike, dst: PathLike, intermediate_size: int, seed: int = 0, dtype=None,
+                  force: bool = False) -> dict:
+    """A head directory -> the same head with a wider MLP (`widen_mlp`: the same outputs), for warm-start training of
+    a wider head (`dart-spec train --init-from DST`). The n-gram and tree settings are kept; the acceptance curve too
+    (the outputs are the same until the head is trained). Returns a summary dict."""
+    src = require_dir(src, "DART head")
+    dtype = resolve_dtype(dtype)
+    head = DartHead.from_pretrained(src)
+    out_dtype = dtype or weights_dtype(os.path.join(src, WEIGHTS_NAME))
+    wide = widen_mlp(head.float(), intermediate_size, seed)
+    with staged_directory(dst, force, [src]) as tmp:
+        _save_head(wide, tmp, out_dtype)
+    return {"source": src, "dst": os.path.abspath(os.fspath(dst)), "dtype": dtype_name(out_dtype),
+            "intermediate_size": intermediate_size, "from_intermediate_size": head.config.intermediate_size,
+            "seed": seed}
+
+
 def init_mask_rep(hidden_size: int, seed: int) -> torch.Tensor:
     """Fresh `mask_rep` [2H] float32: standard normal like the reference's `torch.randn(2 * hidden_size)`, seeded."""
     gen = torch.Generator().manual_seed(int(seed))
@@ -268,6 +322,8 @@ __all__ = [
     "target_shape",
     "convert_eagle3",
     "convert_official",
+    "convert_widen",
     "init_mask_rep",
     "read_target_config",
+    "widen_mlp",
 ]

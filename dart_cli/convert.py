@@ -1,4 +1,4 @@
-"""`dart-spec convert {official,trie,sglang,eagle3}`: checkpoint and n-gram conversions (see `dart_converters`; the
+"""`dart-spec convert {official,trie,sglang,eagle3,widen}`: checkpoint and n-gram conversions (see `dart_converters`; the
 SGLang directory: `dart_sglang.head_format`)."""
 
 from __future__ import annotations
@@ -74,6 +74,21 @@ def add_convert(sub) -> None:
     e.set_defaults(run=_run_eagle3, reads=("src",), writes="dst")
 
 
+    w = kinds.add_parser(
+        "widen", help="a DART head -> the same head with a wider MLP (warm start of a wider head)",
+        description="Copy a head with --intermediate-size MLP units: its own units first, each new one with "
+                    "freshly drawn gate/up rows and a zero down_proj column, so the widened head computes exactly "
+                    "what the source computes until it is trained (dart-spec train --init-from DST). The format "
+                    "is unchanged (official weight names; `dart-spec convert sglang` takes it).")
+    w.add_argument("src", metavar="SRC", help="DART head directory")
+    w.add_argument("dst", metavar="DST", help="output directory")
+    w.add_argument("--intermediate-size", type=int, required=True, metavar="I",
+                   help="MLP width of the result (at least the source's)")
+    w.add_argument("--seed", type=int, default=0, help="seed of the new units' gate/up rows (default 0)")
+    _common(w)
+    w.set_defaults(run=_run_widen, reads=("src",), writes="dst")
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=tuple(WEIGHT_DTYPES), help="weights dtype (default: the source's)")
     p.add_argument("--force", action="store_true", help="replace DST if it exists")
@@ -136,4 +151,14 @@ def _run_eagle3(args: argparse.Namespace) -> int:
                              force=args.force)
     print(f"wrote {summary['dst']} ({summary['dtype']}; draft_length {summary['draft_length']}; mask_rep seed "
           f"{summary['seed']}; taps {summary['target_layer_ids'] or 'default'})")
+    return 0
+
+
+def _run_widen(args: argparse.Namespace) -> int:
+    from dart_converters import convert_widen
+
+    summary = convert_widen(args.src, args.dst, intermediate_size=args.intermediate_size, seed=args.seed,
+                            dtype=args.dtype, force=args.force)
+    print(f"wrote {summary['dst']} ({summary['dtype']}; MLP {summary['from_intermediate_size']} -> "
+          f"{summary['intermediate_size']} units, new units' seed {summary['seed']})")
     return 0

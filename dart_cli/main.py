@@ -2,8 +2,47 @@
 
 from __future__ import annotations
 
-import argparse
+import _signal  # the signal module's core, already loaded: `signal` itself takes milliseconds to import
+import os
 import sys
+
+_WORDS = sys.argv[1:]  # the command line the interrupt message names (main's argv once it runs)
+
+
+def _interrupted(argv: list[str]) -> int:
+    """Ctrl-C's answer, whenever it comes: one line naming the command, exit status 130."""
+    command = next((a for a in argv if not a.startswith("-")), None)
+    sys.stderr.write(f"dart-spec{' ' + command if command else ''}: interrupted\n")
+    sys.stderr.flush()
+    return 130
+
+
+def _importing(frame) -> bool:
+    """Whether the interrupted frame runs inside an import (Python's import machinery is on its stack)."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib."):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _on_interrupt(signum, frame) -> None:
+    """SIGINT while dart-spec runs. Inside an import (torch and transformers take seconds; a library may swallow a
+    KeyboardInterrupt there and leave a module half-initialised) the command ends at once with the answer of any
+    later interrupt: nothing is written while modules import. Anywhere else: KeyboardInterrupt, as Python raises it,
+    which `main` answers once the code it interrupts has cleaned up."""
+    if _importing(frame):
+        os._exit(_interrupted(_WORDS))
+    raise KeyboardInterrupt
+
+
+if __name__ == "__main__" or os.path.basename(sys.argv[0]).startswith("dart-spec"):  # run as the command
+    _signal.signal(_signal.SIGINT, _on_interrupt)  # first, before the imports below (seconds)
+
+import argparse
+import contextlib
+import signal
+import threading
 from typing import Callable, Optional
 
 from dart_core.config import TreeConfig
@@ -16,7 +55,7 @@ from dart_cli.convert import add_convert
 from dart_cli.errors import UsageError
 from dart_cli.threads import set_threads
 from dart_cli.serve import add_serve
-from dart_cli.train import add_distill, add_ngram, add_train
+from dart_cli.train import add_distill, add_ngram, add_prompts, add_train
 
 
 def _add_demo(sub) -> None:
@@ -81,8 +120,8 @@ def _one_line(err: BaseException) -> str:
     return " ".join(text.split())
 
 
-COMMANDS: list[Callable] = [_add_demo, add_bench, add_calibrate, add_convert, add_distill, add_train, add_ngram,
-                            add_serve]
+COMMANDS: list[Callable] = [_add_demo, add_bench, add_calibrate, add_convert, add_prompts, add_distill, add_train,
+                            add_ngram, add_serve]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -100,13 +139,36 @@ def read_paths(args: argparse.Namespace) -> list[str]:
     return [v for value in values for v in (value if isinstance(value, list) else [value]) if isinstance(v, str)]
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
-    if extra and not getattr(args, "passthrough", False):
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    args.extra = extra
+@contextlib.contextmanager
+def _interrupts_answered(words: list[str]):
+    """Within the block (in the main thread) SIGINT is `_on_interrupt`, naming `words`; the handler before is put
+    back after it."""
+    global _WORDS
+    _WORDS = words
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.signal(signal.SIGINT, _on_interrupt)
     try:
+        yield
+    finally:
+        if before is not None:  # None: a handler not installed from Python, which cannot be put back
+            signal.signal(signal.SIGINT, before)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    words = sys.argv[1:] if argv is None else list(argv)
+    with _interrupts_answered(words):
+        return _main(words)
+
+
+def _main(words: list[str]) -> int:
+    try:
+        parser = build_parser()
+        args, extra = parser.parse_known_args(words)
+        if extra and not getattr(args, "passthrough", False):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.extra = extra
         if getattr(args, "writes", None):  # one rule for every command: no input is its output or inside it
             refuse_overlap(getattr(args, args.writes), read_paths(args))
         return args.run(args)
@@ -116,8 +178,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"dart-spec {args.command}: error: {_one_line(err)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"dart-spec {args.command}: interrupted", file=sys.stderr)
-        return 130
+        return _interrupted(words)
 
 
 if __name__ == "__main__":

@@ -124,6 +124,53 @@ def _tokenizer_only(target: str):
         raise FileNotFoundError(f"no tokenizer in target directory {target} ({err})") from None
 
 
+# ---- prompts --------------------------------------------------------------------------------------------------------
+def add_prompts(sub) -> None:
+    p = sub.add_parser(
+        "prompts", help="let the target write user turns (prompts without a dataset) into a JSONL file",
+        description="The target's chat template with an empty user message, cut where the message's text begins: "
+                    "the target samples the user's turn up to the template's end-of-turn token. Turns that do not "
+                    "end within --max-new-tokens, short, long, repetitive or undecodable ones and duplicates (case "
+                    "and spacing ignored) are dropped; the rest are appended to OUT as {\"prompt\": TEXT} lines "
+                    "for `dart-spec distill --prompts OUT`. Resumable: batch i draws with --seed + i and "
+                    "OUT.state.json records the progress after each batch, so a rerun continues (a larger --count "
+                    "extends the same file).")
+    p.add_argument("--target", default="smollm2", help="'smollm2' (default) or a local transformers model directory")
+    p.add_argument("--out", required=True, metavar="FILE.jsonl", help="output prompts file (appended to)")
+    p.add_argument("--count", type=int, required=True, metavar="N", help="distinct turns to keep in all")
+    p.add_argument("--batch-size", type=int, default=32, help="turns sampled per generate call (default 32)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="longest turn in tokens (default 128)")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
+    p.add_argument("--top-p", type=float, default=0.95, help="nucleus (default 0.95)")
+    p.add_argument("--seed", type=int, default=0, help="batch i draws with seed + i (default 0)")
+    p.add_argument("--min-chars", type=int, default=16, help="shortest turn kept, in characters (default 16)")
+    p.add_argument("--max-chars", type=int, default=1500, help="longest turn kept, in characters (default 1500)")
+    p.add_argument("--device", default="auto", help="auto (default: CUDA when available), cpu, cuda, cuda:N")
+    p.add_argument("--threads", type=int, metavar="N", help="torch CPU threads")
+    p.set_defaults(run=_run_prompts, reads=("target",), writes="out")
+
+
+def _run_prompts(args: argparse.Namespace) -> int:
+    from dart_train.trainer import load_target, resolve_device
+    from dart_train.user_turns import write_user_turns
+
+    set_threads(args.threads)
+    for name in ("count", "batch_size", "max_new_tokens", "min_chars", "max_chars"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.temperature <= 0 or not 0 < args.top_p <= 1:
+        raise UsageError("--temperature must be > 0 and --top-p in (0, 1]")
+    device = resolve_device(args.device)
+    model, tokenizer = load_target(args.target, device, with_tokenizer=True)
+    state = write_user_turns(model, tokenizer, args.out, count=args.count, batch_size=args.batch_size,
+                             max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                             seed=args.seed, min_chars=args.min_chars, max_chars=args.max_chars,
+                             progress=True)
+    dropped = ", ".join(f"{k} {v}" for k, v in sorted(state["dropped"].items())) or "none"
+    print(f"{args.out}: {state['kept']} turns from {state['batches']} batches (dropped: {dropped})")
+    return 0 if state["kept"] >= args.count else 1
+
+
 # ---- train ----------------------------------------------------------------------------------------------------------
 def add_train(sub) -> None:
     from dart_core.io import WEIGHT_DTYPES
@@ -140,6 +187,9 @@ def add_train(sub) -> None:
                    help="dart (default): a DART head; eagle3: the EAGLE3-style baseline drafter (benchmarks)")
     p.add_argument("--target", default=d.target, help="'smollm2' (default) or a local transformers model directory")
     p.add_argument("--data", nargs="+", required=True, metavar="DIR", help="data directories with shard-*.npz")
+    p.add_argument("--data-weights", type=int, nargs="+", metavar="N",
+                   help="one integer per --data directory: its training windows enter every epoch N times (default "
+                        "1 each; the held-out split does not change)")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory")
     p.add_argument("--draft-length", type=int, default=d.draft_length, help=f"D, mask rows (default {d.draft_length})")
     p.add_argument("--draft-vocab-size", type=int, default=d.draft_vocab_size,

@@ -57,7 +57,7 @@ STATE_NAME = "trainer_state.pt"
 # what a run trains: a DART head, or the EAGLE3-style baseline drafter (dart_core.eagle3) on the same data and loss
 HEAD_CLASSES = {"dart": DartHead, "eagle3": Eagle3Head}
 # fields that must match when resuming (they decide shapes, data order and the held-out split)
-RESUME_FIXED = ("mode", "target", "data", "draft_length", "draft_vocab_size", "intermediate_size", "seq_len",
+RESUME_FIXED = ("mode", "target", "data", "data_weights", "draft_length", "draft_vocab_size", "intermediate_size", "seq_len",
                 "batch_size", "anchors_per_seq", "seed", "heldout_fraction", "init_from")
 
 
@@ -75,6 +75,8 @@ class TrainConfig:
     mode: str = "dart"
     target: str = "smollm2"
     data: list[str] = dataclasses.field(default_factory=list)
+    # windows of data[i] enter each epoch data_weights[i] times (None: once each); the held-out split is unchanged
+    data_weights: Optional[list[int]] = None
     out: str = "runs/dart-head"
     draft_length: int = 8
     draft_vocab_size: int = 8192
@@ -124,6 +126,12 @@ class TrainConfig:
         for name in ("warmup_steps", "eval_sequences", "tau_prompts", "tau_max_new_tokens", "tau_every_evals"):
             check_int("TrainConfig", name, getattr(self, name), minimum=0)
         check_int("TrainConfig", "intermediate_size", self.intermediate_size, optional=True)
+        if self.data_weights is not None:
+            if not isinstance(self.data_weights, (list, tuple)) or len(self.data_weights) != len(self.data):
+                raise DartInputError(f"data_weights must give one weight per data directory ({len(self.data)}), "
+                                     f"got {self.data_weights!r}")
+            for weight in self.data_weights:
+                check_int("TrainConfig", "data_weights", weight)
         if self.seq_len < 3:
             raise DartInputError(f"seq_len must be >= 3 (a prediction needs two tokens of context), got {self.seq_len}")
         for name, lo, hi in (("gamma", 0.0, 1.0), ("heldout_fraction", 0.0, 0.5)):
@@ -215,14 +223,27 @@ def load_target(spec: str, device: str | torch.device = "cpu", dtype: Optional[t
 
 
 # ---- data -------------------------------------------------------------------------------------------------------
-def load_sequences(data_dirs: list[str]) -> list[tuple[np.ndarray, int]]:
-    """Every (tokens, prompt_length) of every shard of `data_dirs`, in order."""
+def load_sequences(data_dirs: list[str], counts: Optional[list] = None) -> list[tuple[np.ndarray, int]]:
+    """Every (tokens, prompt_length) of every shard of `data_dirs`, in order; `counts`, when given, receives the
+    number of sequences of each directory."""
     out = []
     for d in data_dirs:
+        before = len(out)
         out.extend((np.asarray(t, dtype=np.int64), int(p)) for t, p in read_shards(d))
+        if counts is not None:
+            counts.append(len(out) - before)
     if not out:
         raise DartInputError(f"the data directories {data_dirs} hold no sequences")
     return out
+
+
+def weighted(sequences: list[tuple[np.ndarray, int]], held: np.ndarray, counts: list[int],
+             weights: Optional[list[int]]) -> list[tuple[np.ndarray, int]]:
+    """The training sequences (not `held`), those of data directory i (the next `counts[i]` sequences) repeated
+    `weights[i]` times (the repeats side by side; the epoch's shuffle spreads them)."""
+    weights = weights or [1] * len(counts)
+    source = np.repeat(np.arange(len(counts)), counts)
+    return [s for s, h, i in zip(sequences, held, source) if not h for _ in range(weights[int(i)])]
 
 
 def heldout_mask(num_sequences: int, fraction: float) -> np.ndarray:
@@ -480,11 +501,12 @@ class Trainer:
         self.resumed_total_steps: Optional[int] = None  # the schedule's end in the checkpoint a run resumed from
         self.dist, self.device = init_distributed(cfg.device)
         self.out = Path(cfg.out)
-        sequences = load_sequences(cfg.data)
+        counts: list[int] = []
+        sequences = load_sequences(cfg.data, counts)
         held = heldout_mask(len(sequences), cfg.heldout_fraction)
         self.train_sequences = [s for s, h in zip(sequences, held) if not h]
         self.heldout_sequences = [s for s, h in zip(sequences, held) if h]
-        self.train_windows = split_windows(self.train_sequences, cfg.seq_len)
+        self.train_windows = split_windows(weighted(sequences, held, counts, cfg.data_weights), cfg.seq_len)
         self.heldout_windows = split_windows(self.heldout_sequences, cfg.seq_len)[: cfg.eval_sequences]
         if not self.train_windows:
             raise DartInputError(f"no training sequences with tokens to predict in {cfg.data}")

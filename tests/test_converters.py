@@ -636,6 +636,64 @@ def test_convert_eagle3(tmp_path):
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4] and cfg["draft_length"] == 4
 
 
+# =====================================================================================================================
+# a wider MLP (warm start of a capacity variant)
+# =====================================================================================================================
+
+
+def test_convert_widen_keeps_the_function_and_the_formats(tmp_path, inputs):
+    from dart_converters import convert_widen
+
+    embedding, aux, ids = inputs
+    src, wide = tmp_path / "official", tmp_path / "wide"
+    state = write_official_head(src, seed=5)
+    summary = convert_widen(src, wide, intermediate_size=40, seed=3)
+    assert (summary["from_intermediate_size"], summary["intermediate_size"]) == (24, 40)
+    head = DartHead.from_pretrained(wide)
+    assert head.config.intermediate_size == 40
+    torch.testing.assert_close(head_logits(wide, embedding, aux, ids), head_logits(src, embedding, aux, ids),
+                               rtol=0, atol=0)
+    out = head.state_dict()
+    for name in ("gate_proj", "up_proj"):
+        w = out[f"midlayer.mlp.{name}.weight"]
+        assert torch.equal(w[:24], state[f"midlayer.mlp.{name}.weight"]) and float(w[24:].abs().min()) > 0
+        assert float(w[24:].abs().max()) <= TINY["hidden_size"] ** -0.5  # nn.Linear's init bound
+    down = out["midlayer.mlp.down_proj.weight"]
+    assert torch.equal(down[:, :24], state["midlayer.mlp.down_proj.weight"]) and not down[:, 24:].any()
+    assert all(torch.equal(out[k], v) for k, v in state.items() if ".mlp." not in k)
+    convert_widen(src, tmp_path / "again", intermediate_size=40, seed=3)
+    assert torch.equal(DartHead.from_pretrained(tmp_path / "again").midlayer.mlp.up_proj.weight,
+                       head.midlayer.mlp.up_proj.weight)  # seeded
+    # the new units learn: a gradient reaches their down_proj columns at once
+    head.float().set_input_embeddings(embedding)
+    head(aux, ids).square().sum().backward()
+    assert head.midlayer.mlp.down_proj.weight.grad[:, 24:].abs().sum() > 0
+    # the widened directory is an ordinary head for the SGLang conversion
+    convert_sglang(wide, tmp_path / "sglang", num_target_layers=TARGET_LAYERS)
+    config, _, _ = read_sglang_dir(tmp_path / "sglang")
+    assert config.intermediate_size == 40 and json.loads((tmp_path / "sglang" / "config.json").read_text())[
+        "num_hidden_layers"] == 1
+    with safe_open(str(tmp_path / "sglang" / "model.safetensors"), "pt") as fh:
+        assert fh.get_slice("midlayer.mlp.down_proj.weight").get_shape() == [TINY["hidden_size"], 40]
+    with pytest.raises(ValueError, match="intermediate_size must be an integer >= the head's 24"):
+        convert_widen(src, tmp_path / "narrow", intermediate_size=16)
+    assert not (tmp_path / "narrow").exists()
+
+
+def test_cli_convert_widen(tmp_path, capsys):
+    src = tmp_path / "official"
+    write_official_head(src, seed=6)
+    assert main(["convert", "widen", str(src), str(tmp_path / "w"), "--intermediate-size", "48",
+                 "--dtype", "float16"]) == 0
+    assert "MLP 24 -> 48 units" in capsys.readouterr().out
+    head = DartHead.from_pretrained(tmp_path / "w")
+    assert head.config.intermediate_size == 48
+    with safe_open(str(tmp_path / "w" / "model.safetensors"), "pt") as fh:
+        assert fh.get_slice("midlayer.mlp.up_proj.weight").get_dtype() == "F16"
+    assert main(["convert", "widen", str(src), str(tmp_path / "w"), "--intermediate-size", "48"]) == 2  # exists
+    assert "exists" in capsys.readouterr().err
+
+
 def test_convert_eagle3_bad_input(tmp_path):
     src = tmp_path / "eagle3"
     write_eagle3(src, drop=["norm.weight"])

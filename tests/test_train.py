@@ -550,3 +550,122 @@ def test_length_buckets_keep_padding_small_and_cover_each_window_once(tmp_path):
     assert padded < 1.1 * real  # unbucketed: about 1.8x
     again = Trainer(dataclasses.replace(cfg, out=str(tmp_path / "o2")), model=target)
     assert all([w.tolist() for w, _ in again.samples_for(s)] == [w.tolist() for w, _ in batches[s]] for s in (0, 17))
+
+
+# ---- prompts written by the target (`dart-spec prompts`) -------------------------------------------------------------
+def _turn_writer(tmp_path):
+    """A tiny target with a word tokenizer whose template ends a message with the special token <eot> (id 3), and
+    an lm_head that makes <eot> likely, so sampled user turns end."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "<pad>", "<eos>", "<eot>"] + [f"w{i}" for i in range(89)] + ["hello", "world", "user"]
+    backend = Tokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>",
+                                  additional_special_tokens=["<eot>"])
+    tok.chat_template = "hello {% for m in messages %}{{ m['role'] }} {{ m['content'] }} <eot> {% endfor %}"
+    target = tiny_target(seed=3)
+    with torch.no_grad():
+        target.lm_head.weight[3].mul_(4.0)
+    return target, tok
+
+
+def test_user_turn_prompt_is_the_template_cut_where_the_message_begins():
+    from dart_core import DartInputError
+    from dart_train.user_turns import user_turn_prompt
+    from hf_models import char_tokenizer
+
+    _, tok = _turn_writer(None)
+    assert user_turn_prompt(tok) == ([93, 95], [3, 2])  # "hello user", then <eot> (the template's) or <eos>
+    chars = char_tokenizer()  # "user: TEXT\n": nothing special after the text, so the EOS alone ends the turn
+    prompt, stops = user_turn_prompt(chars)
+    assert chars.decode(prompt) == "user: " and stops == [chars.eos_token_id]
+    chars.chat_template = None
+    with pytest.raises(DartInputError, match="no chat template"):
+        user_turn_prompt(chars)
+
+
+def test_turn_filters_and_duplicate_key():
+    from dart_train.user_turns import normalise, turn_problem
+
+    assert normalise("  What IS   a list?\n") == normalise("what is a list") == "what is a list"
+    assert turn_problem("Explain how a hash map works.", 16, 1500) is None
+    assert turn_problem("Hi there", 16, 1500) == "short"
+    assert turn_problem("a b c " * 400, 16, 1500) == "long"
+    assert turn_problem("What does \ufffd mean in this file?", 16, 1500) == "undecodable"
+    assert turn_problem("please help me " * 8, 16, 1500) == "repetitive"
+
+
+def test_written_turns_are_distinct_resumable_and_refuse_other_settings(tmp_path):
+    from dart_core import DartInputError
+    from dart_train.user_turns import normalise, write_user_turns
+
+    target, tok = _turn_writer(tmp_path)
+    settings = dict(batch_size=8, max_new_tokens=16, min_chars=8, progress=False)
+    whole = tmp_path / "whole.jsonl"
+    state = write_user_turns(target, tok, whole, count=12, **settings)
+    lines = whole.read_text().splitlines()
+    turns = [json.loads(line)["prompt"] for line in lines]
+    assert len(turns) == state["kept"] >= 12 and len({normalise(t) for t in turns}) == len(turns)
+    assert not any("<eot>" in t or "<eos>" in t for t in turns)
+    assert state["dropped"].get("unfinished", 0) > 0  # some turns ran past 16 tokens and were dropped
+    # in two calls (a larger count continues the same stream), with a half-written batch between them
+    part = tmp_path / "part.jsonl"
+    write_user_turns(target, tok, part, count=5, **settings)
+    with open(part, "a") as fh:
+        fh.write('{"prompt": "w1 w2 w3 interrupted')
+    write_user_turns(target, tok, part, count=12, **settings)
+    assert part.read_text() == whole.read_text()
+    assert write_user_turns(target, tok, part, count=12, **settings)["batches"] == state["batches"]  # nothing to do
+    with pytest.raises(DartInputError, match="temperature"):
+        write_user_turns(target, tok, part, count=20, **{**settings, "temperature": 0.7})
+    stray = tmp_path / "stray.jsonl"
+    stray.write_text('{"prompt": "w1 w2 w3"}\n')
+    with pytest.raises(DartInputError, match="without a prompt writer's state"):
+        write_user_turns(target, tok, stray, count=2, **settings)
+
+
+def test_cli_prompts_then_distill_them(tmp_path, capsys):
+    target, tok = _turn_writer(tmp_path)
+    target.save_pretrained(tmp_path / "target")
+    tok.save_pretrained(tmp_path / "target")
+    prompts = tmp_path / "turns.jsonl"
+    argv = ["prompts", "--target", str(tmp_path / "target"), "--out", str(prompts), "--count", "6",
+            "--batch-size", "8", "--max-new-tokens", "16", "--min-chars", "8"]
+    assert main(argv) == 0
+    assert " turns from " in capsys.readouterr().out and (tmp_path / "turns.jsonl.state.json").is_file()
+    assert main(["distill", "--target", str(tmp_path / "target"), "--out", str(tmp_path / "answers"), "--prompts",
+                 str(prompts), "--batch-size", "4", "--max-new-tokens", "4"]) == 0
+    assert len(list(read_shards(tmp_path / "answers"))) == len(prompts.read_text().splitlines()) >= 6
+    assert main(argv[:-2] + ["--min-chars", "9"]) == 2  # other settings: refused, one line
+    assert "min_chars" in capsys.readouterr().err
+
+
+def test_data_weights_repeat_a_directory_in_each_epoch_and_keep_the_held_out_split(tiny_run, tmp_path):
+    import shutil
+
+    from dart_core import DartInputError
+
+    root, target = tiny_run
+    second = tmp_path / "second"
+    shutil.copytree(root / "data", second)
+    data = [str(root / "data"), str(second)]
+    plain = Trainer(_config(root, tmp_path / "a", data=data, heldout_fraction=0.1), model=target)
+    heavy = Trainer(_config(root, tmp_path / "b", data=data, data_weights=[1, 3], heldout_fraction=0.1),
+                    model=target)
+    sequences = [t for t, _ in read_shards(root / "data")] * 2
+    held = heldout_mask(len(sequences), 0.1)
+    second_train = [s for s, h in zip(sequences[len(sequences) // 2:], held[len(sequences) // 2:]) if not h]
+    windows = split_windows([(np.asarray(s), 6) for s in second_train], 32)
+    assert len(windows) > 0 and len(heavy.train_windows) == len(plain.train_windows) + 2 * len(windows)
+    assert [w.tolist() for w, _ in heavy.heldout_windows] == [w.tolist() for w, _ in plain.heldout_windows]
+    last = [w.tolist() for w, _ in heavy.train_windows[-3 * len(windows):]]  # the second directory's, 3 times each
+    tripled = split_windows([(np.asarray(s), 6) for s in second_train for _ in range(3)], 32)
+    assert last == [w.tolist() for w, _ in tripled]
+    with pytest.raises(DartInputError, match="one weight per data directory"):
+        _config(root, tmp_path / "c", data=data, data_weights=[2]).validate()
+    with pytest.raises(DartInputError, match="data_weights"):
+        _config(root, tmp_path / "c", data=data, data_weights=[1, 0]).validate()
