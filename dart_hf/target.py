@@ -95,25 +95,99 @@ TREE_LAYER_TYPES = ("full_attention", "sliding_attention")
 class AttentionLayout:
     """The target's attention layers as tree masks must serve them."""
 
-    window: Optional[int]  # W of the sliding-window layers (a query at index i sees keys at indices > i - W), or None
+    window: Optional[int]  # W of the windowed layers (a query at index i sees keys at indices > i - W), or None
     by_type: bool  # both full and sliding layers: the model takes its masks as a dict by layer type
 
 
 def attention_layout(model) -> AttentionLayout:
-    """The layout of `model`'s attention layers, from its config as transformers reads it for its caches. Raises
-    DartInputError naming the layer types a tree mask cannot serve (chunked, linear or state-space layers, ...)."""
+    """The window each of `model`'s attention layers looks through, as its own forward and cache decide it.
+
+    A decoding step's query sees the keys its cache layer holds (a sliding-window cache layer of window W: the last
+    W-1 and itself; the cache's layers as transformers builds them from the config) within the mask the forward gives
+    the layer (`_mask_windows`); the narrower of the two is the layer's window. Raises DartInputError naming the
+    layers a tree mask cannot serve: chunked, linear or state-space layers, a sliding-window cache of window 1 (it keeps
+    every position, so plain decoding's queries look past their window), layers that share one mask but hold different
+    positions or look through different windows."""
     from transformers.cache_utils import get_layer_types_and_kwargs
 
-    types, kwargs = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
+    cfg = model.config.get_text_config(decoder=True)
+    name = type(model).__name__
+    types, kwargs = get_layer_types_and_kwargs(cfg)
     other = sorted(set(types) - set(TREE_LAYER_TYPES))
     if other:
         raise DartInputError(f"DART tree decoding masks full-attention and sliding-window layers only; "
-                             f"{type(model).__name__} has {', '.join(other)} layers")
-    windows = sorted({kw["sliding_window"] for kind, kw in zip(types, kwargs) if kind == "sliding_attention"})
-    if len(windows) > 1:
-        raise DartInputError(f"DART tree decoding needs one sliding window per model; {type(model).__name__} has "
-                             f"{windows}")
-    return AttentionLayout(windows[0] if windows else None, len(set(types)) > 1)
+                             f"{name} has {', '.join(other)} layers")
+    kept = [kw.get("sliding_window") if kind == "sliding_attention" else None for kind, kw in zip(types, kwargs)]
+    if any(kind == "sliding_attention" and w is None for kind, w in zip(types, kept)):
+        raise DartInputError(f"{name} has sliding-window layers but no sliding_window in its config")
+    for window in {w for w in kept if w is not None}:
+        if not isinstance(window, int) or window < 2:
+            raise DartInputError(f"{name}'s sliding-window layers have sliding_window={window}; transformers' "
+                                 "sliding-window cache keeps every position at a window below 2 (it keeps the last "
+                                 "W-1), so plain decoding looks past the window and DART cannot verify as it does")
+    masked = _mask_windows(model, cfg, types)
+    for window in {w for w in masked if w is not None}:
+        if not isinstance(window, int) or window < 1:
+            raise DartInputError(f"{name} masks its layers with sliding_window={window}, which hides every key")
+    windows = [_narrower(k, m) for k, m in zip(kept, masked)]
+    if _masks_by_type(model, cfg) and len(set(types)) > 1:  # a dict of masks, each layer takes its type's
+        groups = {kind: {(k is None, w) for t, k, w in zip(types, kept, windows) if t == kind} for kind in set(types)}
+        if groups["full_attention"] == {(True, None)} and len(groups["sliding_attention"]) == 1:
+            return AttentionLayout(next(iter(groups["sliding_attention"]))[1], True)
+        raise DartInputError(f"DART tree decoding needs one window for each layer type; {name}'s layers "
+                             f"{_per_layer(types, windows)}")
+    if len({k is None for k in kept}) > 1 or len(set(windows)) > 1:  # one mask for every layer
+        raise DartInputError(f"{name} gives every layer one mask, but its layers hold different positions or look "
+                             f"through different windows ({_per_layer(types, windows)}): DART tree decoding needs "
+                             "them alike")
+    return AttentionLayout(windows[0] if windows else None, False)
+
+
+def _narrower(a: Optional[int], b: Optional[int]) -> Optional[int]:
+    return b if a is None else a if b is None else min(a, b)
+
+
+def _per_layer(types: list[str], windows: list[Optional[int]]) -> str:
+    return ", ".join(f"{i}: {kind} window {w}" for i, (kind, w) in enumerate(zip(types, windows)))
+
+
+def _forward_module(model):
+    """The module whose forward builds `model`'s attention masks (its decoder's class's module)."""
+    import inspect
+
+    try:
+        decoder = model.get_decoder()
+    except Exception:  # a model without a separate decoder builds its masks itself
+        decoder = model
+    return inspect.getmodule(type(decoder if decoder is not None else model))
+
+
+def _declares_layer_types(cfg) -> bool:
+    """Whether the config's class has a `layer_types` field (a model that masks each layer by its type), rather than
+    `layer_types` being an attribute only the cache reads (Mistral's family)."""
+    fields = getattr(type(cfg), "__dataclass_fields__", None)
+    if fields is not None:
+        return "layer_types" in fields
+    return any("layer_types" in getattr(k, "__annotations__", {}) for k in type(cfg).__mro__)
+
+
+def _masks_by_type(model, cfg) -> bool:
+    """Whether the forward gives each layer the mask of its `layer_types` entry (and so takes a dict of masks)."""
+    return _declares_layer_types(cfg) and hasattr(_forward_module(model), "create_sliding_window_causal_mask")
+
+
+def _mask_windows(model, cfg, types: list[str]) -> list[Optional[int]]:
+    """The window of the mask `model`'s forward gives each layer (None: a causal mask), per architecture as
+    transformers 5 writes them: a forward that never builds a sliding-window mask gives every layer a causal one; one
+    whose config declares `layer_types` gives each sliding layer a window of `config.sliding_window` and each full
+    one a causal mask; the rest (Mistral, Mixtral, Phi-3, Starcoder2, Qwen3-MoE, ...) give every layer one mask,
+    sliding with `config.sliding_window` whenever it is set, whatever `layer_types` says."""
+    if not hasattr(_forward_module(model), "create_sliding_window_causal_mask"):
+        return [None] * len(types)
+    window = getattr(cfg, "sliding_window", None)
+    if not _declares_layer_types(cfg):
+        return [window] * len(types)
+    return [window if kind == "sliding_attention" else None for kind in types]
 
 
 def check_cache(cache) -> None:
