@@ -4,6 +4,7 @@ Pure torch/numpy; no transformers or sglang imports.
 """
 
 from dart_core.config import AcceptanceCurve, DartConfig, TreeConfig, default_target_layer_ids
+from dart_core.context import ContextDrafter, ContextProposals
 from dart_core.eagle3 import Eagle3Head
 from dart_core.errors import DartInputError
 from dart_core.head import DartHead, DartHeadCache
@@ -13,6 +14,8 @@ from dart_core.verify import VerifyResult, verify_greedy, verify_tree
 
 __all__ = [
     "AcceptanceCurve",
+    "ContextDrafter",
+    "ContextProposals",
     "draft_context_length",
     "DartConfig",
     "DartHead",

@@ -21,6 +21,11 @@ MAX_HEAD_PARAMETERS = 2**34
 MAX_TREE_NODES = 1024
 MAX_TOPK = 1024
 MAX_BEAM_WIDTH = 1024
+# Context drafting (docs/DESIGN.md §2.6): a path longer than this many tokens, more followed occurrences or a longer
+# suffix than these are refused (each costs host time per step, and the match index grows with the suffix lengths).
+MAX_CONTEXT_DEPTH = 64
+MAX_CONTEXT_MATCHES = 32
+MAX_CONTEXT_MATCH = 16
 
 
 def check_int(owner: str, name: str, value: Any, minimum: int = 1, optional: bool = False) -> None:
@@ -200,6 +205,12 @@ class TreeConfig:
     Score of extending a candidate by a token at level l:
     `lw(l) * (ow(l) * log(p + 1e-10) + ngram_weight * log(q + 1e-10))` with `lw(l) = (l+1)**-level_weight_exponent`,
     `ow(l) = logit_weight_decay**l` and no n-gram term at level 0.
+
+    `context_draft=True` adds the row's own context as a third source of paths (docs/DESIGN.md §2.6,
+    `dart_core.context`): the `context_matches` latest occurrences of the longest suffix of the row (between
+    `context_min_match` and `context_max_match` tokens) that occurs earlier in it, each followed for up to
+    `context_depth` tokens, ranked against the head's candidates in the same `remain_total` nodes.
+    `max_depth` bounds every node's depth, context paths' too.
     """
 
     topk: int = 25
@@ -209,7 +220,12 @@ class TreeConfig:
     eos_token_id: Optional[int] = None
     level_weight_exponent: float = 0.7
     logit_weight_decay: float = 0.9
-    max_depth: Optional[int] = None  # draft levels used (None: all the head predicts, D+1)
+    max_depth: Optional[int] = None  # deepest tree level (None: the head's D+1, or a context path's depth)
+    context_draft: bool = False  # the row's own continuations as draft paths (docs/DESIGN.md §2.6)
+    context_depth: int = 16  # tokens of each context path
+    context_matches: int = 4  # occurrences of the longest matching suffix followed
+    context_min_match: int = 2  # shortest suffix that counts as a match
+    context_max_match: int = 4  # longest suffix looked up
 
     def __post_init__(self) -> None:
         for name, most in (("topk", MAX_TOPK), ("beam_width", MAX_BEAM_WIDTH), ("remain_total", MAX_TREE_NODES)):
@@ -222,12 +238,35 @@ class TreeConfig:
         check_float("TreeConfig", "ngram_weight", self.ngram_weight)
         check_float("TreeConfig", "level_weight_exponent", self.level_weight_exponent)
         check_float("TreeConfig", "logit_weight_decay", self.logit_weight_decay, strict=True)
+        if not isinstance(self.context_draft, bool):
+            raise DartInputError(f"TreeConfig.context_draft must be true or false, got {self.context_draft!r}")
+        for name, most in (("context_depth", MAX_CONTEXT_DEPTH), ("context_matches", MAX_CONTEXT_MATCHES),
+                           ("context_min_match", MAX_CONTEXT_MATCH), ("context_max_match", MAX_CONTEXT_MATCH)):
+            check_int("TreeConfig", name, getattr(self, name))
+            if getattr(self, name) > most:
+                raise DartInputError(f"TreeConfig.{name} {getattr(self, name)} is above the supported {most}")
+        if self.context_max_match < self.context_min_match:
+            raise DartInputError(f"TreeConfig.context_max_match {self.context_max_match} is below context_min_match "
+                                 f"{self.context_min_match}")
 
     def draft_levels(self, predicted: int) -> int:
         """How many of the `predicted` candidate levels (a head's D+1) the search reads: at most `max_depth`, and at
         most `remain_total`. Scores never increase from a node to its children and a parent precedes its children
         in the pool, so the best R pool entries never include a node deeper than R (the tree is the same)."""
         return min(predicted, self.max_depth or predicted, self.remain_total)
+
+    def context_path_depth(self) -> int:
+        """Tokens of each context path (docs/DESIGN.md §2.6): `context_depth`, at most `max_depth`; 0 when the source
+        is off. (Paths deeper than `remain_total` are drafted but never selected: scores never increase along one.)"""
+        if not self.context_draft:
+            return 0
+        return min(self.context_depth, self.max_depth or self.context_depth)
+
+    def tree_depth(self, predicted: int) -> int:
+        """The deepest node any tree of these settings can hold, for a head predicting `predicted` levels (D+1): the
+        head's `draft_levels(predicted)` or, with context drafting, the context paths' depth, at most `remain_total`
+        (what greedy acceptance and SGLang's `--speculative-num-steps` are sized by)."""
+        return max(self.draft_levels(predicted), min(self.context_path_depth(), self.remain_total))
 
     def level_weight(self, level: int) -> float:
         return (level + 1) ** -self.level_weight_exponent

@@ -123,9 +123,12 @@ class Eagle3Head(DartHead):
         the levels), whatever `cuda_graph` says."""
         return self.draft_candidates(aux_rows, new_ids, cache, tree_config.topk, tree_config.max_depth)
 
+    DRAFTS_WITH_CONTEXT = False  # its tree is its own expansion's: no context paths (docs/DESIGN.md §2.6)
+
     def build_tree(self, candidates: "DraftCandidates", contexts: torch.Tensor, ngram,
-                   tree_config: TreeConfig) -> DraftTreeBatch:
-        """The `tree_config.remain_total` best candidates (no n-gram prior: `ngram` is ignored), as a batch of one."""
+                   tree_config: TreeConfig, context=None) -> DraftTreeBatch:
+        """The `tree_config.remain_total` best candidates (no n-gram prior: `ngram` is ignored; no context paths:
+        `context` is ignored), as a batch of one."""
         tree = select_draft_tree(candidates, contexts[0, -1], tree_config.remain_total)
         return DraftTreeBatch.stack([tree]).to(contexts.device)
 

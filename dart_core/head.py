@@ -13,6 +13,7 @@ from torch import nn
 
 from dart_core import head_math
 from dart_core.config import ACCEPTANCE_KEY, CONFIG_NAME, AcceptanceCurve, DartConfig, TreeConfig
+from dart_core.context import ContextProposals
 from dart_runtime.cuda_graph import cached_graph
 from dart_core.errors import DartInputError
 from dart_core.io import atomic_write, is_inside, load_safetensors_checked, save_safetensors_atomic
@@ -181,6 +182,7 @@ class DartHead(nn.Module):
 
     # `architectures` entry of a saved directory; a subclass with other weights (Eagle3Head) writes its own
     ARCHITECTURE = "DartHead"
+    DRAFTS_WITH_CONTEXT = True  # `build_tree` merges the rows' context paths (docs/DESIGN.md §2.6)
 
     def __init__(self, config: DartConfig) -> None:
         super().__init__()
@@ -365,11 +367,13 @@ class DartHead(nn.Module):
         tokens, probs = topk_draft_tokens(logits[:, :levels], topk, self.d2t)
         return tokens, probs, k, v
 
-    def build_tree(self, candidates, contexts: torch.Tensor, ngram, tree_config: TreeConfig) -> DraftTreeBatch:
-        """The B draft trees from `draft`'s candidates: the beam search with the n-gram prior (docs/DESIGN.md §2.3);
-        `contexts` [B, C] end with the roots (left-padded with -1)."""
+    def build_tree(self, candidates, contexts: torch.Tensor, ngram, tree_config: TreeConfig,
+                   context: Optional[ContextProposals] = None) -> DraftTreeBatch:
+        """The B draft trees from `draft`'s candidates: the beam search with the n-gram prior (docs/DESIGN.md §2.3),
+        merged with the rows' context paths `context` when given (§2.6); `contexts` [B, C] end with the roots
+        (left-padded with -1)."""
         tokens, probs = candidates
-        return build_draft_trees(tokens, probs, contexts, ngram, tree_config, check_inputs=False)
+        return build_draft_trees(tokens, probs, contexts, ngram, tree_config, check_inputs=False, context=context)
 
     def training_forward(self, aux: torch.Tensor, shifted_ids: torch.Tensor,
                          anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,12 +1,17 @@
-"""Slow, obviously-correct re-derivations of docs/DESIGN.md §2.3-2.4 (dict-based n-gram trie, list-based beam search).
-
-They are the yardstick the vectorised implementations are tested and benchmarked against; never used for decoding.
+"""Slow, obviously-correct re-derivations of docs/DESIGN.md §2.3-2.4 and §2.6 (dict-based n-gram trie, list-based
+beam search, brute-force context paths and merged trees). They are the yardstick the vectorised implementations are tested and benchmarked against; never used
+for decoding.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import numpy as np
 import torch
+
+from dart_core.config import MAX_TREE_NODES
 
 
 class DictTrie:
@@ -55,3 +60,50 @@ def reference_tree(tokens, probs, context, trie, cfg):
     return {path: float(score) for path, score in best}
 
 
+
+
+def reference_context_paths(tokens, cfg):
+    """Brute force of docs/DESIGN.md §2.6 for one row (`tokens`, ending with the root): {token path: score} of its
+    context trie. Scans every earlier end position of every suffix length; scores in float64."""
+    if not cfg.context_draft:
+        return {}
+    seq, n = [int(t) for t in tokens], len(tokens)
+    depth = min(cfg.context_depth, cfg.max_depth or cfg.context_depth)
+    m, ends = 0, []
+    for length in range(min(cfg.context_max_match, n - 1), cfg.context_min_match - 1, -1):
+        suffix = seq[n - length:]
+        ends = [e for e in range(length - 1, n - 1) if seq[e - length + 1:e + 1] == suffix]
+        if ends:
+            m = length
+            break
+    conts = []
+    for e in sorted(ends, reverse=True)[:cfg.context_matches]:
+        cont = seq[e + 1:e + 1 + depth]
+        if cfg.eos_token_id is not None and cfg.eos_token_id in cont:
+            cont = cont[:cont.index(cfg.eos_token_id) + 1]
+        conts.append(tuple(cont))
+    paths = {}
+    for cont in conts:
+        for d in range(1, len(cont) + 1):
+            path = cont[:d]
+            if path in paths:
+                continue
+            reach = sum(1 for c in conts if c[:d] == path)
+            siblings = sum(1 for c in conts if len(c) >= d and c[:d - 1] == path[:-1])
+            parent = paths.get(path[:-1], 0.0)
+            paths[path] = parent + cfg.level_weight(d - 1) * math.log(m * reach / (1 + m * siblings))
+    return paths
+
+
+def reference_merged_tree(tokens, probs, context, trie, cfg, row_tokens):
+    """The selected nodes of one tree with context drafting ({token path: score}, root excluded): the head's whole
+    search pool (`reference_tree` with no node limit) and the row's context paths (`reference_context_paths`) as one
+    pool, a path both hold scoring the larger of its two scores, then the best min(remain_total, head pool size) by
+    score, shallower first on ties."""
+    head = reference_tree(tokens, probs, context, trie, dataclasses.replace(cfg, remain_total=MAX_TREE_NODES))
+    merged = dict(head)
+    for path, score in reference_context_paths(row_tokens, cfg).items():
+        if len(path) <= (cfg.max_depth or len(path)):
+            merged[path] = max(merged.get(path, float("-inf")), score)
+    best = sorted(merged.items(), key=lambda e: (-e[1], len(e[0])))[: min(cfg.remain_total, len(head))]
+    return dict(best)

@@ -1,14 +1,22 @@
-"""Draft trees: the data (`DraftTree`, `DraftTreeBatch`) and the beam search with the n-gram prior that builds them."""
+"""Draft trees: the data (`DraftTree`, `DraftTreeBatch`) and the beam search with the n-gram prior that builds them,
+merged with the context's own continuations (`dart_core.context`) when given."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Optional
 
 import torch
 
 from dart_core.config import TreeConfig
+from dart_core.context import SOURCE_CONTEXT, SOURCE_HEAD, ContextProposals
 from dart_core.errors import DartInputError
+
+
+def _default_sources(parents: torch.Tensor) -> torch.Tensor:
+    """SOURCE_HEAD for every node with a parent, 0 for roots and padding."""
+    return torch.where(parents >= 0, SOURCE_HEAD, 0).to(torch.long)
 
 
 @dataclasses.dataclass
@@ -17,12 +25,19 @@ class DraftTree:
 
     tokens  [N] target token ids           parents [N] parent node index (-1 for the root)
     depths  [N] root 0, its children 1...  scores  [N] search score of each node (root 0)
+    sources [N] which searches proposed the node: bits `dart_core.context.SOURCE_HEAD` / `SOURCE_CONTEXT` (root 0;
+            default: SOURCE_HEAD for every draft node)
     """
 
     tokens: torch.Tensor
     parents: torch.Tensor
     depths: torch.Tensor
     scores: torch.Tensor
+    sources: Optional[torch.Tensor] = None
+
+    def __post_init__(self) -> None:
+        if self.sources is None:
+            self.sources = _default_sources(self.parents)
 
     @property
     def num_nodes(self) -> int:
@@ -45,8 +60,10 @@ class DraftTree:
 class DraftTreeBatch:
     """B draft trees padded to a common node count N. Valid nodes come first in each row, padding after.
 
-    tokens/parents/depths [B, N] int64, scores [B, N] float32, valid [B, N] bool. Padding nodes have
-    token 0, parent -1, depth 0 and score -inf.
+    tokens/parents/depths [B, N] int64, scores [B, N] float32, valid [B, N] bool, sources [B, N] int64 (bits
+    `SOURCE_HEAD` = 1: the head's search proposed the node, `SOURCE_CONTEXT` = 2: the row's context did; 0 for roots
+    and padding; default: SOURCE_HEAD for every draft node). Padding nodes have token 0, parent -1, depth 0 and
+    score -inf.
     """
 
     tokens: torch.Tensor
@@ -54,6 +71,11 @@ class DraftTreeBatch:
     depths: torch.Tensor
     scores: torch.Tensor
     valid: torch.Tensor
+    sources: Optional[torch.Tensor] = None
+
+    def __post_init__(self) -> None:
+        if self.sources is None:
+            self.sources = _default_sources(self.parents)
 
     @property
     def batch_size(self) -> int:
@@ -79,7 +101,8 @@ class DraftTreeBatch:
 
     def __getitem__(self, b: int) -> DraftTree:
         n = int(self.valid[b].sum())
-        return DraftTree(self.tokens[b, :n], self.parents[b, :n], self.depths[b, :n], self.scores[b, :n])
+        return DraftTree(self.tokens[b, :n], self.parents[b, :n], self.depths[b, :n], self.scores[b, :n],
+                         self.sources[b, :n])
 
     @classmethod
     def stack(cls, trees: list[DraftTree], num_nodes: int | None = None) -> "DraftTreeBatch":
@@ -92,13 +115,14 @@ class DraftTreeBatch:
         depths = torch.zeros(b, n, dtype=torch.long, device=device)
         scores = torch.full((b, n), float("-inf"), dtype=torch.float32, device=device)
         valid = torch.zeros(b, n, dtype=torch.bool, device=device)
+        sources = torch.zeros(b, n, dtype=torch.long, device=device)
         for i, t in enumerate(trees):
             m = t.num_nodes
             if m > n:
                 raise ValueError(f"tree {i} has {m} nodes, more than num_nodes={n}")
             tokens[i, :m], parents[i, :m], depths[i, :m] = t.tokens, t.parents, t.depths
-            scores[i, :m], valid[i, :m] = t.scores, True
-        return cls(tokens, parents, depths, scores, valid)
+            scores[i, :m], valid[i, :m], sources[i, :m] = t.scores, True, t.sources
+        return cls(tokens, parents, depths, scores, valid, sources)
 
 
 def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
@@ -134,31 +158,42 @@ def topk_draft_tokens(logits: torch.Tensor, k: int, d2t: torch.Tensor | None = N
 
 
 def build_draft_tree(topk_tokens: torch.Tensor, topk_probs: torch.Tensor, context, ngram=None,
-                     config: TreeConfig | None = None) -> DraftTree:
-    """One draft tree from per-level candidates [L, K] (target ids and probs) and the context ending with the root."""
+                     config: TreeConfig | None = None, proposals: ContextProposals | None = None) -> DraftTree:
+    """One draft tree from per-level candidates [L, K] (target ids and probs) and the context ending with the root;
+    `proposals`: the row's context paths (`ContextProposals` of batch size 1), when context drafting is on."""
     if topk_tokens.dim() != 2:
         raise ValueError(f"topk_tokens must be [L, K], got {list(topk_tokens.shape)}")
     context = torch.as_tensor(context, dtype=torch.long, device=topk_tokens.device).reshape(-1)
     if context.numel() == 0:
         raise ValueError("context must hold at least the root token")
-    batch = build_draft_trees(topk_tokens[None], topk_probs[None], context[None], ngram, config)
+    batch = build_draft_trees(topk_tokens[None], topk_probs[None], context[None], ngram, config, context=proposals)
     return batch[0]
 
 
 def build_draft_trees(topk_tokens: torch.Tensor, topk_probs: torch.Tensor, contexts: torch.Tensor, ngram=None,
-                      config: TreeConfig | None = None, check_inputs: bool = True) -> DraftTreeBatch:
+                      config: TreeConfig | None = None, check_inputs: bool = True,
+                      context: ContextProposals | None = None) -> DraftTreeBatch:
     """B draft trees at once, each with exactly min(remain_total, pool size) + 1 nodes.
 
     topk_tokens [B, L, K] int64 target ids, topk_probs [B, L, K] float, contexts [B, C] int64: the last C tokens of
     each sequence ending with the root token, left-padded with -1 where a sequence is shorter. The n-gram term uses
     the last `ngram.order - 1` tokens of context + path; `ngram=None` or `ngram_weight=0` drops it.
+    `context`: the rows' own continuations (`dart_core.context.ContextDrafter.propose`, [B, P] on the same device),
+    merged into the same node budget when `config.context_draft` is on (docs/DESIGN.md §2.6; ignored otherwise):
+    the pool size is still the head's, so the node count does not change.
     `check_inputs=False` skips the value checks (they read back from the device); shapes are always checked.
     The operators run do not depend on the values: no host synchronisation.
     """
     cfg = config or TreeConfig()
     _check_search_shapes(topk_tokens, topk_probs, contexts, cfg)
+    if context is not None and (not cfg.context_draft or context.width == 0):
+        context = None
+    if context is not None:
+        _check_context_shapes(context, topk_tokens)
     if check_inputs:
         _check_search_values(topk_tokens, topk_probs, contexts)
+        if context is not None:
+            _check_context_values(context)
     b, levels, k = topk_tokens.shape
     device = topk_tokens.device
     use_ngram = ngram is not None and cfg.ngram_weight > 0
@@ -197,6 +232,9 @@ def build_draft_trees(topk_tokens: torch.Tensor, topk_probs: torch.Tensor, conte
                                                  new_tok.reshape(-1)).view(b, order.shape[1], -1)
             beam_parents.append(offset + order)
         offset += nb * k
+    if context is not None:
+        return _select_merged(torch.cat(pool_scores, dim=1), plan, beam_parents, topk_tokens, contexts[:, -1],
+                              cfg.remain_total, context, cfg.context_path_depth())
     return _select_nodes(torch.cat(pool_scores, dim=1), plan, beam_parents, topk_tokens, contexts[:, -1],
                          cfg.remain_total)
 
@@ -211,6 +249,9 @@ class _SearchPlan:
     level_of: torch.Tensor  # [P] level of each pool entry
     level_start: torch.Tensor  # [L] first pool id of each level
     beam_start: torch.Tensor  # [L] first beam of each level in the concatenated beam parents
+    token_index: torch.Tensor  # [P] each pool entry's token in the flattened [L*K] candidates
+    beam_index: torch.Tensor  # [P] each pool entry's beam (its parent) in the concatenated beam parents
+    beam_rank: torch.Tensor  # [sum of beams of levels 1..L-1] each beam's index within its level
 
 
 def beams_per_level(cfg: TreeConfig, levels: int, k: int) -> list[int]:
@@ -233,12 +274,20 @@ def _search_plan(cfg: TreeConfig, levels: int, k: int, device: torch.device) -> 
     beams = beams_per_level(cfg, levels, k)  # beams extended at each level
     f32 = dict(dtype=torch.float32, device=device)
     sizes = torch.tensor([nb * k for nb in beams], device=device)  # [L] pool entries of each level
+    level_of = torch.repeat_interleave(torch.arange(levels, device=device), sizes)
+    level_start = torch.cumsum(sizes, 0) - sizes
+    beam_start = torch.tensor([0] + beams[:-1], device=device).cumsum(0)
+    within = torch.arange(int(sizes.sum()), device=device) - level_start[level_of]
     return _SearchPlan(
         level_weights=torch.tensor([cfg.level_weight(level) for level in range(levels)], **f32),
         logit_weights=torch.tensor([cfg.logit_weight(level) for level in range(levels)], **f32),
-        level_of=torch.repeat_interleave(torch.arange(levels, device=device), sizes),
-        level_start=torch.cumsum(sizes, 0) - sizes,
-        beam_start=torch.tensor([0] + beams[:-1], device=device).cumsum(0),
+        level_of=level_of,
+        level_start=level_start,
+        beam_start=beam_start,
+        token_index=level_of * k + within % k,
+        beam_index=beam_start[level_of] + within // k,
+        beam_rank=torch.cat([torch.arange(nb, device=device) for nb in beams[1:]] or
+                            [torch.zeros(0, dtype=torch.long, device=device)]),
     )
 
 
@@ -270,7 +319,110 @@ def _select_nodes(scores: torch.Tensor, plan: _SearchPlan, beam_parents: list[to
         depths=torch.cat((torch.zeros_like(minus1), level + 1), dim=1),
         scores=torch.cat((torch.zeros(b, 1, dtype=scores.dtype, device=device), torch.gather(scores, 1, nodes)), 1),
         valid=torch.ones(b, r + 1, dtype=torch.bool, device=device),
+        sources=torch.cat((torch.zeros_like(minus1), torch.full_like(nodes, SOURCE_HEAD)), dim=1),
     )
+
+
+def _select_merged(scores: torch.Tensor, plan: _SearchPlan, beam_parents: list[torch.Tensor],
+                   topk_tokens: torch.Tensor, root: torch.Tensor, remain_total: int, context: ContextProposals,
+                   max_context_depth: int) -> DraftTreeBatch:
+    """`_select_nodes` over the head's pool merged with the context paths (docs/DESIGN.md §2.6).
+
+    A context entry whose token path is a head pool entry's merges into it (score: the larger of the two; sources:
+    both bits); the others join the pool after the head's entries. The tree is the best min(remain_total, P) of the
+    merged pool by score, ties by depth, then head entries before context entries, then pool order. Context entries
+    deeper than `max_context_depth` are left out. Fixed operators, no host synchronisation."""
+    b, p = scores.shape
+    levels, k = topk_tokens.shape[1], topk_tokens.shape[2]
+    device = scores.device
+    long = dict(dtype=torch.long, device=device)
+    c = context.width
+    ctx_tokens, ctx_parents, ctx_depths = (t.to(device=device, dtype=torch.long) for t in context.tensors()[:3])
+    usable = (ctx_depths >= 1) & (ctx_depths <= max_context_depth)  # [B, C]
+    ctx_scores = torch.where(usable, context.scores.to(device=device, dtype=scores.dtype), float("-inf"))
+
+    # every head pool entry's token, parent (pool id, -1 = root) and depth
+    head_tokens = topk_tokens.reshape(b, levels * k)[:, plan.token_index]  # [B, P]
+    head_parents = torch.cat(beam_parents, dim=1)[:, plan.beam_index]  # [B, P]
+    head_depths = (plan.level_of + 1).expand(b, p)
+    # beam_of[e + 1]: the index among the next level's beams of pool entry e (-1: not extended); beam_of[0] = 0, the
+    # root being the one beam of level 0
+    beam_of = torch.full((b, p + 1), -1, **long)
+    beam_of[:, 0] = 0
+    if levels > 1:
+        beam_of.scatter_(1, torch.cat(beam_parents[1:], dim=1) + 1, plan.beam_rank.expand(b, -1))
+
+    # match[e]: the head pool entry with the same token path as context entry e (valid where `matched`)
+    match = torch.zeros(b, c, **long)
+    matched = torch.zeros(b, c, dtype=torch.bool, device=device)
+    parent_at = ctx_parents.clamp(min=0)
+    top = ctx_parents < 0
+    for depth in range(1, min(levels, max_context_depth) + 1):
+        parent_ok = top | torch.gather(matched, 1, parent_at)
+        slot = torch.where(top, 0, torch.gather(match, 1, parent_at) + 1)
+        beam = torch.gather(beam_of, 1, slot)  # [B, C] the beam the entry would extend at level depth - 1
+        same = ctx_tokens[:, :, None] == topk_tokens[:, depth - 1, None, :]  # [B, C, K]
+        hit = usable & (ctx_depths == depth) & parent_ok & (beam >= 0) & same.any(dim=-1)
+        pool_id = plan.level_start[depth - 1] + beam.clamp(min=0) * k + same.to(torch.int32).argmax(dim=-1)
+        match = torch.where(hit, pool_id, match)
+        matched = matched | hit
+
+    neg_inf = torch.full((b, p + 1), float("-inf"), dtype=scores.dtype, device=device)
+    target = torch.where(matched, match + 1, 0)  # unmatched entries write -inf / False into slot 0
+    lift = neg_inf.scatter(1, target, torch.where(matched, ctx_scores, float("-inf")))[:, 1:]
+    both = torch.zeros(b, p + 1, dtype=torch.bool, device=device).scatter(1, target, matched)[:, 1:]
+    parent_matched = torch.gather(matched, 1, parent_at)
+    ctx_pool_parents = torch.where(top, -1, torch.where(parent_matched, torch.gather(match, 1, parent_at),
+                                                        p + ctx_parents))
+    all_scores = torch.cat((torch.maximum(scores, lift), torch.where(matched, float("-inf"), ctx_scores)), dim=1)
+    all_depths = torch.cat((head_depths, ctx_depths), dim=1)  # [B, P + C]
+    all_tokens = torch.cat((head_tokens, ctx_tokens), dim=1)
+    all_parents = torch.cat((head_parents, ctx_pool_parents), dim=1)
+    all_sources = torch.cat((SOURCE_HEAD + SOURCE_CONTEXT * both.long(), torch.full_like(ctx_tokens, SOURCE_CONTEXT)),
+                            dim=1)
+
+    r = min(remain_total, p)  # the head's pool alone has p distinct paths: the count never depends on the context
+    by_depth = torch.sort(all_depths, dim=1, stable=True).indices  # ties by depth, then pool order
+    order = torch.sort(torch.gather(all_scores, 1, by_depth), dim=1, descending=True, stable=True).indices[:, :r]
+    best = torch.gather(by_depth, 1, order)  # [B, R] in selection order
+    nodes = torch.gather(best, 1, torch.sort(torch.gather(all_depths, 1, best), dim=1, stable=True).indices)
+    node_of_pool = torch.zeros(b, p + c + 1, **long)  # slot 0 stands for the root
+    node_of_pool.scatter_(1, nodes + 1, torch.arange(1, r + 1, device=device).expand(b, r))
+    minus1 = torch.full((b, 1), -1, **long)
+    zero = torch.zeros_like(minus1)
+    return DraftTreeBatch(
+        tokens=torch.cat((root[:, None], torch.gather(all_tokens, 1, nodes)), dim=1),
+        parents=torch.cat((minus1, torch.gather(node_of_pool, 1, torch.gather(all_parents, 1, nodes) + 1)), dim=1),
+        depths=torch.cat((zero, torch.gather(all_depths, 1, nodes)), dim=1),
+        scores=torch.cat((torch.zeros(b, 1, dtype=scores.dtype, device=device), torch.gather(all_scores, 1, nodes)),
+                         dim=1),
+        valid=torch.ones(b, r + 1, dtype=torch.bool, device=device),
+        sources=torch.cat((zero, torch.gather(all_sources, 1, nodes)), dim=1),
+    )
+
+
+def _check_context_shapes(context: ContextProposals, tokens: torch.Tensor) -> None:
+    shape = tuple(context.tokens.shape)
+    if len(shape) != 2 or shape[0] != tokens.shape[0]:
+        raise ValueError(f"context proposals must be [B={tokens.shape[0]}, P], got {list(shape)}")
+    if any(tuple(t.shape) != shape for t in context.tensors()):
+        raise ValueError(f"context proposals' fields must share one shape {list(shape)}, got "
+                         f"{[list(t.shape) for t in context.tensors()]}")
+    if any(t.device != tokens.device for t in context.tensors()):
+        raise ValueError(f"context proposals must be on the candidates' device {tokens.device}")
+
+
+def _check_context_values(context: ContextProposals) -> None:
+    tokens, parents, depths = context.tokens, context.parents, context.depths
+    used = depths > 0
+    index = torch.arange(context.width, device=tokens.device)
+    if bool((used & (tokens < 0)).any()):
+        raise ValueError("context proposals hold negative token ids")
+    if bool((used & (parents >= index)).any()):
+        raise ValueError("context proposals: every parent must precede its child")
+    parent_depth = torch.where(parents >= 0, torch.gather(depths, 1, parents.clamp(min=0)), 0)
+    if bool((used & (depths != parent_depth + 1)).any()):
+        raise ValueError("context proposals: a depth is not its parent's depth + 1")
 
 
 def _check_search_shapes(tokens: torch.Tensor, probs: torch.Tensor, contexts: torch.Tensor, cfg: TreeConfig) -> None:

@@ -669,23 +669,25 @@ _CONTROLLERS_LOCK = threading.Lock()
 _LIVE: "weakref.WeakSet[SpeedController]" = weakref.WeakSet()
 
 
-def _key(model, head: DartHead) -> tuple:
+def _key(model, head: DartHead, context: bool) -> tuple:
     param = next(model.parameters())
     base = dataclasses.replace(base_tree_config(model, head), remain_total=1)
-    return id(model), param.dtype, param.device, torch.get_num_threads(), id(head.acceptance), base
+    return id(model), param.dtype, param.device, torch.get_num_threads(), id(head.acceptance), base, context
 
 
-def existing_controller(model, head: DartHead) -> Optional[SpeedController]:
-    """The controller of `head` on `model` here, if a call made one (no measurement)."""
+def existing_controller(model, head: DartHead, context: bool = False) -> Optional[SpeedController]:
+    """The controller of `head` on `model` here, for calls with context drafting on or off (`context`), if a call
+    made one (no measurement)."""
     with _CONTROLLERS_LOCK:
-        return _CONTROLLERS.get(head, {}).get(_key(model, head))
+        return _CONTROLLERS.get(head, {}).get(_key(model, head, context))
 
 
-def controller_for(model, head: DartHead) -> SpeedController:
-    """The controller of `head` on `model` with this machine setting: made at the first call, from the head's
-    acceptance curve, the machine cost (measured and cached, `dart_hf.calibration.machine_cost`) and what earlier
-    calls learned. A cost that cannot be measured leaves the controller without a prior (one warning)."""
-    key = _key(model, head)
+def controller_for(model, head: DartHead, context: bool = False) -> SpeedController:
+    """The controller of `head` on `model` with this machine setting, for calls with context drafting on or off
+    (`context`: the trees, and so what they accept, differ): made at the first call, from the head's acceptance curve,
+    the machine cost (measured and cached, `dart_hf.calibration.machine_cost`) and what earlier calls learned. A cost
+    that cannot be measured leaves the controller without a prior (one warning)."""
+    key = _key(model, head, context)
     with _CONTROLLERS_LOCK:
         found = _CONTROLLERS.get(head, {}).get(key)
         if found is not None:
@@ -701,7 +703,7 @@ def controller_for(model, head: DartHead) -> SpeedController:
         largest = max(curve.tau) if curve is not None else base.remain_total
         sizes = [r for r in CANDIDATES if r <= largest] + ([largest] if largest not in CANDIDATES else [])
         ident = identity(model, head)
-        path = cost_path(ident).with_suffix(".learned.json")
+        path = cost_path(ident).with_suffix(".context-learned.json" if context else ".learned.json")
         controller = SpeedController(sizes, cost, curve, start_size=base.remain_total, path=path, ident=ident)
         _CONTROLLERS.setdefault(head, {})[key] = controller
         _LIVE.add(controller)

@@ -16,6 +16,7 @@ from dart_hf.candidate import DartCandidateGenerator
 from dart_hf import compat
 from dart_hf.compat import CAPTURE_HOOK, CAPTURE_HOOKS_FLAG
 from dart_hf.controller import CallPolicy, PlainClock, controller_for, existing_controller
+from dart_hf.target import context_drafting
 from dart_hf.loop import (DART_ARGUMENTS, ENABLED_MARKER, DartOptions, NotApplicable, _record_stats, dart_decoding,
                           last_stats)
 
@@ -69,18 +70,20 @@ class DartGenerationMixin:
             if explicit:
                 raise ValueError(f"dart_head cannot be combined with {clash}=")
             return self._plain_generate(f"the call passes {clash}=", inputs, generation_config, kwargs)
+        context = context_drafting(options.head, options.tree_config, options.context_draft)
         if options.tree_config is None:  # each step's tree chosen by what DART measures here (dart_hf.controller)
-            controller = existing_controller(self, options.head)
+            controller = existing_controller(self, options.head, context)
             mode, reason = "dart", None
             if controller is not None and not explicit:
                 mode, reason = controller.call_mode(*_call_shape(inputs, kwargs))
             if mode == "plain":
                 return self._timed_plain_generate(controller, reason, inputs, generation_config, kwargs)
             # the controller is made (its first-call measurement) once the call's checks have passed
-            policy = CallPolicy(functools.partial(controller_for, self, options.head), may_go_plain=not explicit,
+            policy = CallPolicy(functools.partial(controller_for, self, options.head, context),
+                                may_go_plain=not explicit,
                                 probe=mode == "probe")
         else:  # a fixed tree; it teaches the controller, where a call made one
-            controller = existing_controller(self, options.head)
+            controller = existing_controller(self, options.head, context)
             policy = None if controller is None else CallPolicy(lambda: controller, may_go_plain=False,
                                                                 fixed=options.tree_config.remain_total)
         dart_kwargs = dict(kwargs)

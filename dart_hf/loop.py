@@ -16,6 +16,7 @@ import torch
 
 from dart_core import DartHead, DraftTreeBatch, TreeConfig, draft_context_length, verify_greedy, verify_tree
 from dart_runtime.cuda_graph import cached_graph
+from dart_core.context import SOURCE_CONTEXT, SOURCE_HEAD, ContextDrafter, ContextProposals
 from dart_core.errors import DartInputError
 from dart_core.head import id_outside_vocab
 from dart_runtime.matmul import few_row_linears
@@ -48,6 +49,9 @@ class DartStats:
         one token per sequence, as a plain `generate()` step decides it; the step-size controller takes them to
         measure plain decoding or to finish a call plain, `dart_hf.controller`).
     tree_nodes: the largest tree drafted (nodes, the root included).
+    accepted_head, accepted_context, accepted_both: accepted draft tokens whose node the head's search proposed
+        alone, the row's own context alone (`generate(..., dart_context_draft=True)`, docs/DESIGN.md §2.6), or
+        both; they sum to the accepted draft tokens of the tree loop's steps.
     accepted_ranks: for each entry of `accepted_lengths`, the selection rank of each accepted node
         (`dart_core.tree.score_ranks`: 0-based position among the tree's draft nodes by score). A tree of R nodes
         built from the same candidates holds exactly the nodes of rank < R, so under greedy decoding it would have
@@ -73,6 +77,9 @@ class DartStats:
     forwards: int = 0
     tree_sizes: list[int] = dataclasses.field(default_factory=list)
     tree_nodes: int = 0
+    accepted_head: int = 0
+    accepted_context: int = 0
+    accepted_both: int = 0
     setup_time: float = 0.0
     prefill_time: float = 0.0
     first_draft_time: float = 0.0
@@ -218,6 +225,7 @@ class DartOptions:
     sync_timing: bool = False
     cuda_graph: bool = False
     stateless_processors: bool = False  # the caller declares its own logits processors stateless (dart_hf.processors)
+    context_draft: Optional[bool] = None  # the row's own context as a draft source (None: the tree settings' choice)
 
     def __post_init__(self) -> None:
         from dart_core.ngram import NGramModel
@@ -233,6 +241,8 @@ class DartOptions:
         for name in ("sync_timing", "cuda_graph", "stateless_processors"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"dart_{name} must be True or False, got {getattr(self, name)!r}")
+        if self.context_draft is not None and not isinstance(self.context_draft, bool):
+            raise TypeError(f"dart_context_draft must be True, False or None, got {self.context_draft!r}")
 
     def with_call(self, asked: dict) -> "DartOptions":
         """These settings with a call's `dart_*` arguments (`asked`, without `dart_head`) taking precedence."""
@@ -349,7 +359,7 @@ def _start(call: Call) -> "Run":
     head, config = call.options.head, call.generation_config
     try:
         prepared = _prepare(call)
-        tree_config = tree_settings(head, config, call.options.tree_config)
+        tree_config = tree_settings(head, config, call.options.tree_config, call.options.context_draft)
     except DartInputError as err:
         raise NotApplicable(str(err)) from None
     input_ids = call.input_ids.long()  # generate()'s output is int64 whatever integer type the prompt had
@@ -357,7 +367,7 @@ def _start(call: Call) -> "Run":
     if call.policy is not None:
         call.policy.begin(bool(config.do_sample))
     largest = tree_config.remain_total if call.policy is None else call.policy.max_tree_size
-    depth = dataclasses.replace(tree_config, remain_total=largest).draft_levels(head.draft_length + 1)  # deepest node
+    depth = dataclasses.replace(tree_config, remain_total=largest).tree_depth(head.draft_length + 1)  # deepest node
     greedy_paths = functools.partial(accepted_greedy_paths, max_depth=depth)
     graphs = call.options.cuda_graph and input_ids.device.type == "cuda"
     if call.options.cuda_graph and not graphs:
@@ -370,9 +380,13 @@ def _start(call: Call) -> "Run":
     stats = DartStats(prompt_tokens=int(prepared.attention_mask.sum()), sync_timing=call.options.sync_timing)
     _record_stats(call.model, stats)
     scores = [] if call.want_scores else None
+    context = None
+    if tree_config.context_draft:  # each row's prompt without its padding; the first new token joins at `emit`
+        mask = prepared.attention_mask.bool()
+        context = ContextDrafter([ids[keep] for ids, keep in zip(input_ids, mask)], tree_config)
     run = Run(call, prepared, input_ids, tree_config, ngram, graphs, draft_context_length(ngram), verifier,
               Stopper(input_ids, call.stopping_criteria, config, scores), stats, scores,
-              [] if call.want_logits else None)
+              [] if call.want_logits else None, context=context)
     if call.streamer is not None:
         call.streamer.put(input_ids.cpu())
     return run
@@ -396,6 +410,7 @@ class Run:
     raw_logits: Optional[list]  # raw logits of each step (output_logits), else None
     sequences: Optional[list] = None  # per caller's row, its tokens so far (left padding included), when read
     searches: dict = dataclasses.field(default_factory=dict)  # remain_total -> its `TreeSearch` (CUDA-graphed or not)
+    context: Optional[ContextDrafter] = None  # the rows' own tokens as a draft source (docs/DESIGN.md §2.6), or None
 
     def __post_init__(self) -> None:
         if self.verifier.needs_prefixes or self.scores is not None or self.raw_logits is not None:
@@ -411,6 +426,8 @@ class Run:
             if self.sequences is not None:
                 self.sequences[row] = torch.cat((self.sequences[row], step.new_ids[i : i + 1, : len(tokens)]), dim=1)
             self.stopper.add(row, tokens)
+        if self.context is not None:
+            self.context.extend(step.tokens)
         decided = self.stopper.decide()
         if self.call.streamer is not None and decided[0]:
             self.call.streamer.put(torch.tensor(decided[0]))  # from the host: no device read
@@ -421,6 +438,8 @@ class Run:
         keep = [i for i, row in enumerate(batch.rows) if self.stopper.producing(row)]
         if len(keep) == len(batch.rows):
             return batch, step
+        if self.context is not None:
+            self.context.select(keep)
         return _drop_rows(batch, step, head_cache, self.verifier.cache, keep)
 
     def draft(self, batch: "Batch", step: "Step", head_cache):
@@ -434,8 +453,9 @@ class Run:
         if size == 0:
             return (*root_trees(batch.contexts[:, -1:]), step, 0)
         tree_config = dataclasses.replace(self.tree_config, remain_total=size)
+        proposals = None if self.context is None else self.context.propose(batch.contexts.device)
         trees, ancestors = draft(self.call.options.head, self.search(tree_config), step, head_cache, batch,
-                                 tree_config, self.graphs, self.stats)
+                                 tree_config, self.graphs, self.stats, proposals)
         consumed = dataclasses.replace(step, aux_rows=step.aux_rows[:, :0], head_ids=step.head_ids[:, :0],
                                        head_lengths=torch.zeros_like(step.head_lengths))
         return trees, ancestors, consumed, size
@@ -707,21 +727,25 @@ class TreeSearch:
     ngram: object
     tree_config: TreeConfig
 
-    def __call__(self, candidates, contexts: torch.Tensor) -> tuple[DraftTreeBatch, torch.Tensor]:
-        trees = self.head.build_tree(candidates, contexts, self.ngram, self.tree_config)
+    def __call__(self, candidates, contexts: torch.Tensor,
+                 proposals: tuple = ()) -> tuple[DraftTreeBatch, torch.Tensor]:
+        """`proposals`: the `ContextProposals` tensors of the rows' context paths, or () without them."""
+        context = ContextProposals(*proposals) if proposals else None
+        trees = self.head.build_tree(candidates, contexts, self.ngram, self.tree_config, context=context)
         return trees, trees.ancestor_mask()
 
 
 def draft(head: DartHead, search, step: Step, head_cache, batch: Batch, tree_config: TreeConfig, cuda_graph: bool,
-          stats: DartStats) -> tuple[DraftTreeBatch, torch.Tensor]:
+          stats: DartStats, proposals: Optional[ContextProposals] = None) -> tuple[DraftTreeBatch, torch.Tensor]:
     """One drafting pass over every sequence's pending head rows (a DART head: one forward with its mask rows) and
-    the tree search (`TreeSearch`; the drafter interface, docs/DESIGN.md §1.2) -> (trees, ancestors [B, N, N])."""
+    the tree search (`TreeSearch`; the drafter interface, docs/DESIGN.md §1.2) with the rows' context paths
+    `proposals` where given -> (trees, ancestors [B, N, N])."""
     device = batch.contexts.device
     t0 = stats.clock(device)
     candidates = head.draft(step.aux_rows, step.head_ids, step.head_lengths, head_cache, tree_config,
                             cuda_graph=cuda_graph)
     t1 = stats.clock(device)
-    trees, ancestors = search(candidates, batch.contexts)
+    trees, ancestors = search(candidates, batch.contexts, () if proposals is None else proposals.tensors())
     t2 = stats.clock(device)
     if not stats.forwards:
         stats.first_draft_time = t2 - t0
@@ -762,13 +786,14 @@ def verify_step(verifier: _Verifier, trees: DraftTreeBatch, ancestors: torch.Ten
     logits = out.logits.float()  # [B, N, V]
     paths = verifier.accept(trees, logits, ancestors, sequences, batch.rows)
     d = paths.ranks.shape[1]
-    # the step's one synchronisation: per row [a, ranks (d), nodes (d+1), tokens (d+1), bonus]
-    host = torch.cat((paths.accept_length[:, None], paths.ranks, paths.nodes, paths.tokens, paths.bonus[:, None]),
-                     dim=1).tolist()
+    sources = source_counts(trees, paths.nodes, paths.accept_length)  # [B, 3]
+    # the step's one synchronisation: per row [a, ranks (d), nodes (d+1), tokens (d+1), bonus, sources (3)]
+    host = torch.cat((paths.accept_length[:, None], paths.ranks, paths.nodes, paths.tokens, paths.bonus[:, None],
+                      sources), dim=1).tolist()
     accepted = [row[0] for row in host]
     ranks = [row[1 : 1 + a] for row, a in zip(host, accepted)]
     path_nodes = [row[1 + d : 2 + d + a] for row, a in zip(host, accepted)]  # root first
-    new_tokens = [row[3 + 2 * d : 3 + 2 * d + a] + [row[-1]] for row, a in zip(host, accepted)]  # drafts, bonus
+    new_tokens = [row[3 + 2 * d : 3 + 2 * d + a] + [row[-4]] for row, a in zip(host, accepted)]  # drafts, bonus
     k = max(accepted) + 1
     t3 = stats.clock(device)
     at_front = all(nodes == list(range(len(nodes))) for nodes in path_nodes)
@@ -791,6 +816,9 @@ def verify_step(verifier: _Verifier, trees: DraftTreeBatch, ancestors: torch.Ten
         stats.accepted_lengths += accepted
         stats.batch_rows += batch.rows
         stats.accepted_ranks += ranks
+        stats.accepted_head += sum(row[-3] for row in host)
+        stats.accepted_context += sum(row[-2] for row in host)
+        stats.accepted_both += sum(row[-1] for row in host)
     stats.forwards += 1
     stats.mask_time += t1 - t0
     stats.target_time += t2 - t1
@@ -798,6 +826,16 @@ def verify_step(verifier: _Verifier, trees: DraftTreeBatch, ancestors: torch.Ten
     stats.compact_time += t4 - t3
     stats.verify_time += stats.clock(device) - t0
     return step
+
+
+def source_counts(trees: DraftTreeBatch, nodes: torch.Tensor, accept_length: torch.Tensor) -> torch.Tensor:
+    """Per row, its accepted draft tokens proposed by the head's search alone, by the context alone and by both
+    (`DraftTreeBatch.sources`) -> [B, 3] int64. nodes [B, d+1] the accepted path, root first; accept_length [B]."""
+    accepted = nodes[:, 1:]
+    source = trees.sources.gather(1, accepted)  # [B, d]
+    real = torch.arange(accepted.shape[1], device=nodes.device) < accept_length[:, None]
+    kinds = torch.stack((source == SOURCE_HEAD, source == SOURCE_CONTEXT, source == SOURCE_HEAD | SOURCE_CONTEXT), -1)
+    return (kinds & real[..., None]).sum(dim=1)
 
 
 def _drop_rows(batch: Batch, step: Step, head_cache, cache, keep: list[int]) -> tuple[Batch, Step]:

@@ -414,13 +414,29 @@ def keep_accepted_path(cache, past_len: int, paths: torch.Tensor, at_front: bool
         layer.keys, layer.values = layer.keys[..., :stop, :], layer.values[..., :stop, :]
 
 
-def tree_settings(head: DartHead, generation_config, override: Optional[TreeConfig] = None) -> TreeConfig:
+def tree_settings(head: DartHead, generation_config, override: Optional[TreeConfig] = None,
+                  context_draft: Optional[bool] = None) -> TreeConfig:
     """The tree settings a generate() call searches with (the one place that decides them): `override`, else the
-    head's own, else the reference's; the EOS the search orders by is the call's (its generation config's first),
-    when it has one."""
+    head's own, else the reference's; context drafting as `context_drafting` decides; the EOS the search orders by
+    is the call's (its generation config's first), when it has one."""
     base = override or head.tree_config or head.default_tree_config(None)
+    context = context_drafting(head, override, context_draft)
+    if context != base.context_draft:
+        base = dataclasses.replace(base, context_draft=context)
     eos = first_eos(generation_config)
     return base if eos is None or eos == base.eos_token_id else dataclasses.replace(base, eos_token_id=eos)
+
+
+def context_drafting(head: DartHead, override: Optional[TreeConfig] = None,
+                     context_draft: Optional[bool] = None) -> bool:
+    """Whether a call drafts from the row's own context (docs/DESIGN.md §2.6): never for a head whose trees are its
+    own expansion's (`Eagle3Head`); else the call's `dart_context_draft`, else its tree settings' `context_draft`,
+    else the head's."""
+    if not head.DRAFTS_WITH_CONTEXT:
+        return False
+    if context_draft is not None:
+        return context_draft
+    return (override or head.tree_config or head.default_tree_config(None)).context_draft
 
 
 def first_eos(generation_config) -> Optional[int]:

@@ -20,7 +20,8 @@ import os
 
 import torch
 
-from dart_core import NGramModel, build_draft_trees, draft_context_length
+from dart_core import NGramModel, TreeConfig, build_draft_trees, draft_context_length
+from dart_core.context import ContextDrafter, ContextRow
 from dart_core.tree import topk_draft_tokens
 from sglang.srt.runtime_context import get_parallel
 from sglang.srt.speculative import eagle_worker_v2 as eagle_v2
@@ -42,6 +43,25 @@ def recent_tokens(req, length: int) -> list[int]:
     if len(out) < length:
         out = list(req.origin_input_ids[len(out) - length:]) + out
     return out
+
+
+CONTEXT_ROW = "_dart_context_row"  # the request attribute holding its `ContextRow` (docs/DESIGN.md §2.6)
+
+
+def context_row(req, tree: TreeConfig) -> ContextRow:
+    """The request's `ContextRow` (kept on it across rounds), extended by the tokens its prompt + output gained since
+    the last round: a round never rescans the prompt."""
+    prompt, output = req.origin_input_ids, req.output_ids
+    row = getattr(req, CONTEXT_ROW, None)
+    if row is None or len(row) > len(prompt) + len(output):  # new, or its output was cut back (a retracted request)
+        row = ContextRow((), tree.context_min_match, tree.context_max_match)
+        setattr(req, CONTEXT_ROW, row)
+    seen = len(row)
+    if seen < len(prompt):
+        row.extend(list(prompt[seen:]) + list(output))
+    else:
+        row.extend(list(output[seen - len(prompt):]))
+    return row
 
 
 def draft_contexts(tails: list[list[int]], roots: list[int], length: int) -> torch.Tensor:
@@ -130,12 +150,12 @@ class DartDraftWorker(eagle_v2.EagleDraftWorker):
         s = self.settings
         k = s.tree.topk  # <= the draft vocabulary (checked with the server arguments)
         if logits is not None and logits.shape[0]:
-            ids, probs = topk_draft_tokens(logits[:, : s.num_levels].float(), k)
+            ids, probs = topk_draft_tokens(logits[:, : s.head_levels].float(), k)
             if self.hot_token_id is not None:  # on the device since init_lm_head
                 ids = self.hot_token_id[ids]
         else:
-            ids = torch.zeros(0, s.num_levels, k, dtype=torch.long, device=self.device)
-            probs = torch.zeros(0, s.num_levels, k, dtype=torch.float32, device=self.device)
+            ids = torch.zeros(0, s.head_levels, k, dtype=torch.long, device=self.device)
+            probs = torch.zeros(0, s.head_levels, k, dtype=torch.float32, device=self.device)
         hidden = torch.zeros(ids.shape[0], self.draft_runner.model.config.hidden_size, device=self.device)
         return EagleDraftInput(topk_p=probs, topk_index=ids, hidden_states=hidden, bonus_tokens=bonus_tokens,
                                num_tokens_per_req=1, num_tokens_for_logprob_per_req=1)
@@ -176,7 +196,12 @@ class DartDraftWorker(eagle_v2.EagleDraftWorker):
         roots = draft_input.bonus_tokens.tolist()
         tails = [recent_tokens(req, self.context_length) for req in batch.reqs]
         contexts = draft_contexts(tails, roots, self.context_length).to(draft_input.topk_index.device)
-        trees = build_draft_trees(draft_input.topk_index, draft_input.topk_p, contexts, self.ngram, s.tree)
+        proposals = None
+        if s.tree.context_draft:
+            proposals = ContextDrafter([context_row(req, s.tree) for req in batch.reqs], s.tree).propose(
+                contexts.device, roots)
+        trees = build_draft_trees(draft_input.topk_index, draft_input.topk_p, contexts, self.ngram, s.tree,
+                                  context=proposals)
         if self.check_ranks:
             check_same_trees(trees)
         if trees.num_nodes != s.num_draft_tokens:

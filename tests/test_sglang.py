@@ -14,6 +14,7 @@ from sglang_env import EOS, import_sglang, set_tree, write_models
 import_sglang()
 
 from dart_core import NGramModel, TreeConfig, build_draft_trees  # noqa: E402
+from dart_core.context import ContextDrafter  # noqa: E402
 from dart_core.verify import verify_greedy  # noqa: E402
 from dart_core.tree import tree_node_count  # noqa: E402
 from dart_sglang.settings import DartServeSettings, eagle_topk  # noqa: E402
@@ -27,16 +28,20 @@ TREES = [  # (TreeConfig kwargs, draft_length)
     (dict(topk=1, beam_width=1, remain_total=8), 4),  # a chain
     (dict(topk=5, beam_width=4, remain_total=9, max_depth=2), 6),
     (dict(topk=3, beam_width=2, remain_total=200), 2),  # pool smaller than remain_total
+    # context paths (docs/DESIGN.md §2.6): deeper than the head's levels, more children than topk
+    (dict(topk=3, beam_width=3, remain_total=16, context_draft=True, context_depth=8, context_min_match=1), 3),
 ]
+KERNEL_TREES = TREES[:4] + TREES[-1:]
 
 
 def random_trees(cfg: TreeConfig, draft_length: int, batch: int, seed: int, vocab: int = 50, ngram=None):
     g = torch.Generator().manual_seed(seed)
-    levels = DartServeSettings.for_tree(cfg, draft_length).num_levels
+    levels = DartServeSettings.for_tree(cfg, draft_length).head_levels
     tokens = torch.randint(0, vocab, (batch, levels, cfg.topk), generator=g)
     probs = torch.softmax(torch.randn(batch, levels, cfg.topk, generator=g) * 2, dim=-1)
-    contexts = torch.randint(0, vocab, (batch, 2), generator=g)
-    return build_draft_trees(tokens, probs, contexts, ngram, cfg)
+    rows = torch.randint(0, 4, (batch, 40), generator=g)  # few distinct tokens: context matches everywhere
+    proposals = ContextDrafter(list(rows), cfg).propose() if cfg.context_draft else None
+    return build_draft_trees(tokens, probs, rows[:, -2:], ngram, cfg, context=proposals)
 
 
 # ---- settings -------------------------------------------------------------------------------------------------
@@ -47,8 +52,9 @@ def test_sizes_match_the_search(kwargs, draft_length):
     cfg = TreeConfig(**kwargs)
     s = DartServeSettings.for_tree(cfg, draft_length)
     trees = random_trees(cfg, draft_length, batch=2, seed=3)
-    assert trees.num_nodes == s.num_draft_tokens == tree_node_count(cfg, s.num_levels, cfg.topk)
-    assert int(trees.depths.max()) <= s.num_levels == min(draft_length + 1, cfg.max_depth or 99)
+    assert trees.num_nodes == s.num_draft_tokens == tree_node_count(cfg, s.head_levels, cfg.topk)
+    assert int(trees.depths.max()) <= s.num_levels == cfg.tree_depth(draft_length + 1)
+    assert s.head_levels == min(draft_length + 1, cfg.max_depth or 99, cfg.remain_total)
     assert s.server_args() == {"speculative_num_steps": s.num_levels, "speculative_eagle_topk": s.topk,
                                "speculative_num_draft_tokens": s.num_draft_tokens}
 
@@ -143,7 +149,7 @@ def sglang_tree(trees, s, seq_lens, mode):
         spec_tree._is_xpu = False
 
 
-@pytest.mark.parametrize("kwargs,draft_length", TREES[:4])
+@pytest.mark.parametrize("kwargs,draft_length", KERNEL_TREES)
 def test_sglang_tree_build_reproduces_dart_trees(kwargs, draft_length):
     from sglang.kernels.ops.speculative.spec_tree import TreeMaskMode
 
@@ -174,7 +180,7 @@ def test_sglang_tree_build_reproduces_dart_trees(kwargs, draft_length):
         start += n * (length + n)
 
 
-@pytest.mark.parametrize("kwargs,draft_length", TREES[:4])
+@pytest.mark.parametrize("kwargs,draft_length", KERNEL_TREES)
 def test_sglang_greedy_verify_agrees_with_dart_core(kwargs, draft_length):
     from sglang.kernels.ops.speculative.spec_tree import TreeMaskMode, verify_tree_greedy_triton
 

@@ -454,7 +454,7 @@ def test_worker_batches_equal_requests_served_alone_and_dart_core(sglang_head):
             assert torch.equal(ids, ids_alone)
             torch.testing.assert_close(probs, probs_alone, atol=1e-6, rtol=1e-5)
             with torch.no_grad():
-                logits = reference(aux[None], next_ids[None], cache=cache)[0, : settings.num_levels]
+                logits = reference(aux[None], next_ids[None], cache=cache)[0, : settings.head_levels]
             ref_ids, ref_probs = topk_draft_tokens(logits, settings.tree.topk, reference.d2t)
             assert torch.equal(ids, ref_ids)
             torch.testing.assert_close(probs, ref_probs, atol=1e-5, rtol=1e-4)

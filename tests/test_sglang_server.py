@@ -201,3 +201,22 @@ def test_a_head_that_drafts_right_gets_drafts_accepted(models, hf_target, tmp_pa
         server.close()
     assert body["output_ids"] == reference
     assert body["meta_info"]["spec_accept_length"] > 1.5, body["meta_info"]
+
+
+def test_context_paths_are_served_losslessly(models, hf_target, tmp_path):
+    import shutil
+
+    from sglang_env import set_tree
+
+    _, target_dir, head_dir = models
+    head = tmp_path / "context-head"
+    shutil.copytree(head_dir, head)
+    set_tree(str(head), context_draft=True, context_min_match=1, context_depth=8)
+    prompts = [PROMPT_IDS[0] * 3, PROMPT_IDS[2] * 2]  # prompts that repeat themselves
+    server = Server(target_dir, str(head), str(tmp_path / "context.log"))
+    try:
+        bodies = [generate(server, p, ignore_eos=True, max_new_tokens=24) for p in prompts]
+    finally:
+        server.close()
+    for prompt, body in zip(prompts, bodies):
+        assert body["output_ids"] == hf_greedy(hf_target, prompt, 24, stop_at_eos=False)

@@ -1,0 +1,96 @@
+"""Context drafting in generate() (docs/DESIGN.md §2.6): greedy output token for token plain's at every batch size,
+attached and `dart_head=`; sampling keeps the target distribution (a lossy control fails); the per-source counts."""
+
+import pytest
+import torch
+
+import dart_hf
+from dart_core import TreeConfig
+from hf_models import random_head, tiny_target
+from test_hf import chi_square_pvalue, exact_two_token_distribution, lossy_verify
+
+CONTEXT_TREE = TreeConfig(topk=4, beam_width=4, remain_total=12, context_draft=True, context_depth=8)
+
+
+def copying_prompts(seed: int, rows: int) -> list[torch.Tensor]:
+    """Prompts that repeat a random phrase (what a tiny random target then tends to go on copying)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(rows):
+        phrase = torch.randint(3, 90, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g)
+        out.append(phrase.repeat(3))
+    return out
+
+
+def left_padded(prompts: list[torch.Tensor], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):], mask[i, width - len(p):] = p, 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4])
+@pytest.mark.parametrize("how", ["dart_head", "attached"])
+def test_greedy_with_context_paths_equals_plain(rows, how):
+    model = dart_hf.enable(tiny_target(seed=rows))
+    head = random_head(model)  # accepts next to nothing: what is accepted comes from the context
+    ids, mask = left_padded(copying_prompts(rows, rows))
+    common = dict(attention_mask=mask, max_new_tokens=40, do_sample=False, pad_token_id=0)
+    plain = model.generate(ids, **common)
+    if how == "attached":
+        model = dart_hf.enable(model, head, tree_config=CONTEXT_TREE)  # fixed: DART whatever this machine's speed
+        out = model.generate(ids, **common)
+    else:
+        out = model.generate(ids, **common, dart_head=head, dart_tree_config=CONTEXT_TREE)
+    assert torch.equal(out, plain)
+    stats = model.dart_stats
+    assert stats is not None and stats.steps > 0
+    assert stats.accepted_head + stats.accepted_context + stats.accepted_both == sum(stats.accepted_lengths)
+
+
+def test_context_paths_are_accepted_and_switch_off():
+    model = dart_hf.enable(tiny_target(seed=7))
+    head = random_head(model)
+    ids, mask = left_padded(copying_prompts(7, 3))
+    common = dict(attention_mask=mask, max_new_tokens=48, do_sample=False, pad_token_id=0, dart_head=head,
+                  dart_tree_config=CONTEXT_TREE)
+    plain = model.generate(ids, attention_mask=mask, max_new_tokens=48, do_sample=False, pad_token_id=0)
+    on = model.generate(ids, **common)
+    with_context = model.dart_stats
+    off = model.generate(ids, **common, dart_context_draft=False)
+    without = model.dart_stats
+    assert torch.equal(on, plain) and torch.equal(off, plain)
+    assert with_context.accepted_context + with_context.accepted_both > 0
+    assert with_context.tau > without.tau
+    assert without.accepted_context == without.accepted_both == 0
+    with pytest.raises(TypeError, match="dart_context_draft must be True, False or None"):
+        model.generate(ids, **common, dart_context_draft="yes")
+
+
+def sample_pairs(model, head, prompt, tree, draws, seed):
+    torch.manual_seed(seed)
+    vocab = model.config.vocab_size
+    counts = torch.zeros(vocab, vocab)
+    for _ in range(draws):
+        out = model.generate(prompt, max_new_tokens=3, do_sample=True, top_k=0, dart_head=head,
+                             dart_tree_config=tree)
+        counts[out[0, -3], out[0, -2]] += 1
+    return counts
+
+
+def test_sampling_with_context_paths_keeps_the_distribution_and_a_lossy_control_fails(monkeypatch):
+    model = dart_hf.enable(tiny_target(vocab=8, layers=4, hidden=16, seed=3))
+    prompt = torch.tensor([[1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2]])
+    tree = TreeConfig(topk=2, beam_width=2, remain_total=6, context_draft=True, context_min_match=1,
+                      context_matches=4, context_depth=3)
+    head = random_head(model, draft_length=2)
+    exact = exact_two_token_distribution(model, prompt).flatten()
+    counts = sample_pairs(model, head, prompt, tree, draws=2500, seed=0).flatten()
+    assert chi_square_pvalue(counts, exact) > 1e-3
+    assert model.dart_stats.accepted_context + model.dart_stats.accepted_both >= 0
+
+    monkeypatch.setattr(dart_hf.loop, "verify_tree", lossy_verify)
+    control = sample_pairs(model, head, prompt, tree, draws=1000, seed=1).flatten()
+    assert chi_square_pvalue(control, exact) < 1e-6
