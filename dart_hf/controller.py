@@ -13,8 +13,10 @@ What is estimated, per target, head and machine setting (device, dtype, threads)
 - Per regime, a (batch size, context length) bucket (`regime_key`): the seconds of one plain step (`Regime.plain`,
   from the calls' own plain steps and from plain `generate()` calls, timed per step), of one DART step at each tree
   size (`Regime.steps`), and `Regime.scale`, observed over predicted DART step time. A tree size never timed in a
-  regime is predicted as scale x (head + search + rest of a step + t_verify(B x (R + 1))) from the first-call
-  `MachineCost` (`dart_hf.calibration`): a batch of B verifies B x (R + 1) rows.
+  regime is predicted from its first-call prediction, head + search + rest of a step + t_verify(B x (R + 1)) from the
+  `MachineCost` (`dart_hf.calibration`; a batch of B verifies B x (R + 1) rows): through the line that maps the
+  predictions of the sizes timed there to their times once two of them differ enough (`fit_line`: a first
+  measurement taken under load is bent, not only scaled), else times the regime's scale; never below a plain step.
 
 Every estimate is a running mean whose older observations fade (`Mean`), so a machine whose load or speed changes is
 followed within a few steps.
@@ -81,6 +83,7 @@ FIRST_PROBE_AFTER, MAX_PROBE_AFTER = 2, 64  # plain calls in a plain regime befo
 OUTLIER = 2.0  # a step time above twice its estimate counts as twice (`Mean.add_robust`)
 SAVE_EVERY_S = 10.0  # the learned state reaches the disk at most this often (and at exit)
 LEARNED_VERSION = 1
+MIN_FIT_SPAN = 1.15  # the predictions of untimed sizes follow the timed ones' line once their priors differ by 15%
 CONTEXT_BUCKET_MIN = 256  # contexts up to 256 positions share a regime; above, one regime per power of two
 
 
@@ -120,6 +123,18 @@ class Mean:
         if mean.weight < 0 or (mean.weight > 0 and not mean.value >= minimum):
             raise DartInputError(f"{name} is {raw!r}: the weight must be >= 0 and the mean >= {minimum}")
         return mean
+
+
+def fit_line(points: list[tuple[float, float, float]]) -> Optional[tuple[float, float]]:
+    """(a, b) of the weighted least-squares line y = a + b x with b >= 0 through `points` [(x, y, weight)], or None
+    unless the xs span `MIN_FIT_SPAN` (a ratio of largest to smallest x: two close sizes say nothing of a slope)."""
+    if len(points) < 2 or max(x for x, _, _ in points) < MIN_FIT_SPAN * min(x for x, _, _ in points):
+        return None
+    w = sum(p[2] for p in points)
+    mx, my = (sum(p[i] * p[2] for p in points) / w for i in (0, 1))
+    sxx = sum(wt * (x - mx) ** 2 for x, _, wt in points)
+    b = max(sum(wt * (x - mx) * (y - my) for x, y, wt in points) / sxx, 0.0)
+    return my - b * mx, b
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -317,14 +332,22 @@ class SpeedController:
         return (self.cost.fixed_ms + self.cost.verify_at(key[0] * (size + 1))) / 1e3
 
     def step_s(self, key: tuple[int, int], size: int) -> Optional[float]:
-        """Seconds of one DART step at `size` in regime `key`: timed there, else the prior times the regime's
-        scale."""
+        """Seconds of one DART step at `size` in regime `key`: timed there; else, where sizes of distinct priors are
+        timed there, the line through (prior, timed) at the prior (`fit_line`; a measurement taken under load is bent,
+        not only scaled); else the prior times the regime's scale. Never below a plain step (a DART step holds one)."""
         regime = self.regimes[key]
         timed = regime.steps.get(size)
         if timed is not None and timed.weight > 0:
             return timed.value
         prior = self.prior_step_s(key, size)
-        return None if prior is None else prior * (regime.scale.value or 1.0)
+        if prior is None:
+            return None
+        points = [(p, m.value, m.weight) for r, m in regime.steps.items()
+                  if m.weight > 0 and (p := self.prior_step_s(key, r)) is not None]
+        line = fit_line(points)
+        predicted = prior * (regime.scale.value or 1.0) if line is None else line[0] + line[1] * prior
+        plain = self.plain_s(key)
+        return max(predicted, plain or 0.0, 1e-9)
 
     def tau_of(self, sampled: bool) -> dict[int, float]:
         """{size: tau} for the sizes whose estimate rests on enough evidence, made non-decreasing in the size (a

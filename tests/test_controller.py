@@ -16,7 +16,7 @@ from dart_core import AcceptanceCurve, TreeConfig
 from dart_hf import DartCacheWarning, DartFallbackWarning
 from dart_hf.calibration import MachineCost
 from dart_hf.controller import (FIRST_PROBE_AFTER, MAX_PROBE_AFTER, WINDOW, CallPolicy, Mean, SpeedController,
-                                accepted_within, choose_tree_size, regime_key)
+                                accepted_within, choose_tree_size, fit_line, regime_key)
 from hf_models import oracle_head, tiny_target
 
 controller_module = sys.modules["dart_hf.controller"]
@@ -51,6 +51,14 @@ def test_running_means_fade_and_bound_outliers():
     for _ in range(12):  # a lasting change is followed
         mean.add_robust(5.0, 0.8)
     assert mean.value > 4.5
+
+
+def test_the_line_of_timed_steps_is_a_weighted_fit_with_a_slope_never_negative():
+    points = [(x, 0.5 + 2.0 * x, w) for x, w in ((1.0, 1.0), (2.0, 3.0), (4.0, 0.5))]
+    assert fit_line(points) == pytest.approx((0.5, 2.0))
+    assert fit_line([(1.0, 3.0, 1.0), (2.0, 1.0, 1.0)]) == pytest.approx((2.0, 0.0))  # a smaller tree is never dearer
+    assert fit_line([(1.0, 1.0, 1.0), (1.1, 2.0, 1.0)]) is None  # too close to tell a slope
+    assert fit_line([(1.0, 1.0, 1.0)]) is None
 
 
 def test_regimes_bucket_batch_and_context():
@@ -243,6 +251,21 @@ def test_nor_keeps_a_losing_tree():
     assert sizes[0] == 0  # plain is measured in the call before anything rests on the prior
     assert sum(1 for s in sizes if s) <= 2 * WINDOW and sizes[-1] == 0
     assert ctrl.regimes[regime_key(1, 100)].mode == "plain"
+
+
+def test_nor_keeps_the_wrong_tree_when_load_bent_the_first_measurement():
+    """Load inflated the fixed part of each forward, not the per-token part: the prior says a large tree costs about
+    what a small one does. The timed steps of two sizes show the real slope, and the choice walks back."""
+    machine = Machine(verify=lambda k: 0.040 + 0.008 * k)
+    best, best_rate = best_fixed(machine)
+    assert best <= 4
+    loaded = prior_from(Machine(verify=lambda k: 4 * 0.040 + 0.008 * k, head_s=4 * machine.head_s,
+                                plain_s=4 * machine.plain_s))
+    ctrl = controller(machine, cost=loaded, curve=curve_of(machine))
+    assert ctrl.choice(TreeConfig(), 1, 100).remain_total > 2 * best  # what the bent prior alone says
+    rate_over_calls(ctrl, machine, 3)
+    assert rate_over_calls(ctrl, machine, 10) >= 0.93 * best_rate
+    assert ctrl.choice(TreeConfig(), 1, 100).remain_total <= 2 * best
 
 
 def test_a_head_without_a_curve_learns_one_from_its_calls():
