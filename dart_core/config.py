@@ -221,7 +221,7 @@ class TreeConfig:
     level_weight_exponent: float = 0.7
     logit_weight_decay: float = 0.9
     max_depth: Optional[int] = None  # deepest tree level (None: the head's D+1, or a context path's depth)
-    context_draft: bool = False  # the row's own continuations as draft paths (docs/DESIGN.md §2.6)
+    context_draft: bool = True  # the row's own continuations as draft paths (docs/DESIGN.md §2.6; off: §2.3 alone)
     context_depth: int = 16  # tokens of each context path
     context_matches: int = 4  # occurrences of the longest matching suffix followed
     context_min_match: int = 2  # shortest suffix that counts as a match

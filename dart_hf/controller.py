@@ -13,10 +13,11 @@ What is estimated, per target, head and machine setting (device, dtype, threads)
 - Per regime, a (batch size, context length) bucket (`regime_key`): the seconds of one plain step (`Regime.plain`,
   from the calls' own plain steps and from plain `generate()` calls, timed per step), of one DART step at each tree
   size (`Regime.steps`), and `Regime.scale`, observed over predicted DART step time. A tree size never timed in a
-  regime is predicted from its first-call prediction, head + search + rest of a step + t_verify(B x (R + 1)) from the
-  `MachineCost` (`dart_hf.calibration`; a batch of B verifies B x (R + 1) rows): through the line that maps the
-  predictions of the sizes timed there to their times once two of them differ enough (`fit_line`: a first
-  measurement taken under load is bent, not only scaled), else times the regime's scale; never below a plain step.
+  regime is predicted as scale x (head + search + rest of a step + t_verify(B x (R + 1))) from the first-call
+  `MachineCost` (`dart_hf.calibration`): a batch of B verifies B x (R + 1) rows. Where the timed sizes show that
+  prediction's shape is wrong (a first measurement taken under load is bent, not only scaled), untimed sizes follow
+  the line through the timed ones' (rows verified, seconds) instead (`fit_line`); an optimistic prediction is
+  corrected by the step that tries it.
 
 Every estimate is a running mean whose older observations fade (`Mean`), so a machine whose load or speed changes is
 followed within a few steps.
@@ -66,6 +67,7 @@ from dart_core.errors import DartInputError
 from dart_hf.calibration import (CANDIDATES, NO_FILE, DartCacheWarning, MachineCost, base_tree_config, cost_path,
                                  identity, machine_cost, measure_acceptance, monotone, read_cache_file,
                                  write_cache_file)
+from dart_hf.target import context_drafting
 from dart_runtime.timing import now
 
 # ---- the constants of the controller ----------------------------------------------------------------------------
@@ -83,7 +85,8 @@ FIRST_PROBE_AFTER, MAX_PROBE_AFTER = 2, 64  # plain calls in a plain regime befo
 OUTLIER = 2.0  # a step time above twice its estimate counts as twice (`Mean.add_robust`)
 SAVE_EVERY_S = 10.0  # the learned state reaches the disk at most this often (and at exit)
 LEARNED_VERSION = 1
-MIN_FIT_SPAN = 1.15  # the predictions of untimed sizes follow the timed ones' line once their priors differ by 15%
+SHAPE_TOLERANCE = 1.3  # timed / predicted step ratios within 30% of each other: the first measurement's shape holds
+MIN_FIT_SPAN = 1.5  # a line through timed steps needs verified row counts that differ by half
 CONTEXT_BUCKET_MIN = 256  # contexts up to 256 positions share a regime; above, one regime per power of two
 
 
@@ -127,7 +130,7 @@ class Mean:
 
 def fit_line(points: list[tuple[float, float, float]]) -> Optional[tuple[float, float]]:
     """(a, b) of the weighted least-squares line y = a + b x with b >= 0 through `points` [(x, y, weight)], or None
-    unless the xs span `MIN_FIT_SPAN` (a ratio of largest to smallest x: two close sizes say nothing of a slope)."""
+    unless the xs span `MIN_FIT_SPAN` (a ratio of largest to smallest x: two close sizes say little of a slope)."""
     if len(points) < 2 or max(x for x, _, _ in points) < MIN_FIT_SPAN * min(x for x, _, _ in points):
         return None
     w = sum(p[2] for p in points)
@@ -332,9 +335,10 @@ class SpeedController:
         return (self.cost.fixed_ms + self.cost.verify_at(key[0] * (size + 1))) / 1e3
 
     def step_s(self, key: tuple[int, int], size: int) -> Optional[float]:
-        """Seconds of one DART step at `size` in regime `key`: timed there; else, where sizes of distinct priors are
-        timed there, the line through (prior, timed) at the prior (`fit_line`; a measurement taken under load is bent,
-        not only scaled); else the prior times the regime's scale. Never below a plain step (a DART step holds one)."""
+        """Seconds of one DART step at `size` in regime `key`: timed there; else the prior times the regime's scale,
+        unless the timed sizes show the prior's shape is wrong there (their timed / prior ratios differ by more than
+        `SHAPE_TOLERANCE`: a first measurement taken under load is bent, not only scaled) and span enough verified
+        rows: then the line through (rows verified, seconds) of the timed sizes (`fit_line`)."""
         regime = self.regimes[key]
         timed = regime.steps.get(size)
         if timed is not None and timed.weight > 0:
@@ -342,12 +346,13 @@ class SpeedController:
         prior = self.prior_step_s(key, size)
         if prior is None:
             return None
-        points = [(p, m.value, m.weight) for r, m in regime.steps.items()
-                  if m.weight > 0 and (p := self.prior_step_s(key, r)) is not None]
-        line = fit_line(points)
-        predicted = prior * (regime.scale.value or 1.0) if line is None else line[0] + line[1] * prior
-        plain = self.plain_s(key)
-        return max(predicted, plain or 0.0, 1e-9)
+        timed_sizes = {r: m for r, m in regime.steps.items() if m.weight > 0}
+        ratios = [m.value / self.prior_step_s(key, r) for r, m in timed_sizes.items()]
+        if len(ratios) >= 2 and max(ratios) > SHAPE_TOLERANCE * min(ratios):
+            line = fit_line([(key[0] * (r + 1), m.value, m.weight) for r, m in timed_sizes.items()])
+            if line is not None:
+                return max(line[0] + line[1] * key[0] * (size + 1), 1e-9)
+        return prior * (regime.scale.value or 1.0)
 
     def tau_of(self, sampled: bool) -> dict[int, float]:
         """{size: tau} for the sizes whose estimate rests on enough evidence, made non-decreasing in the size (a
@@ -692,22 +697,24 @@ _CONTROLLERS_LOCK = threading.Lock()
 _LIVE: "weakref.WeakSet[SpeedController]" = weakref.WeakSet()
 
 
-def _key(model, head: DartHead, context: bool) -> tuple:
+def _key(model, head: DartHead, context: Optional[bool]) -> tuple:
+    """The controller's key; `context` None: the head's own tree settings decide (`context_drafting`)."""
+    context = context_drafting(head) if context is None else context
     param = next(model.parameters())
     base = dataclasses.replace(base_tree_config(model, head), remain_total=1)
     return id(model), param.dtype, param.device, torch.get_num_threads(), id(head.acceptance), base, context
 
 
-def existing_controller(model, head: DartHead, context: bool = False) -> Optional[SpeedController]:
-    """The controller of `head` on `model` here, for calls with context drafting on or off (`context`), if a call
-    made one (no measurement)."""
+def existing_controller(model, head: DartHead, context: Optional[bool] = None) -> Optional[SpeedController]:
+    """The controller of `head` on `model` here, for calls with context drafting on or off (`context`; None: as the
+    head's tree settings say), if a call made one (no measurement)."""
     with _CONTROLLERS_LOCK:
         return _CONTROLLERS.get(head, {}).get(_key(model, head, context))
 
 
-def controller_for(model, head: DartHead, context: bool = False) -> SpeedController:
+def controller_for(model, head: DartHead, context: Optional[bool] = None) -> SpeedController:
     """The controller of `head` on `model` with this machine setting, for calls with context drafting on or off
-    (`context`: the trees, and so what they accept, differ): made at the first call, from the head's acceptance curve,
+    (`context`: the trees, and so what they accept, differ; None: as the head's tree settings say): made at the first call, from the head's acceptance curve,
     the machine cost (measured and cached, `dart_hf.calibration.machine_cost`) and what earlier calls learned. A cost
     that cannot be measured leaves the controller without a prior (one warning)."""
     key = _key(model, head, context)
@@ -726,7 +733,7 @@ def controller_for(model, head: DartHead, context: bool = False) -> SpeedControl
         largest = max(curve.tau) if curve is not None else base.remain_total
         sizes = [r for r in CANDIDATES if r <= largest] + ([largest] if largest not in CANDIDATES else [])
         ident = identity(model, head)
-        path = cost_path(ident).with_suffix(".context-learned.json" if context else ".learned.json")
+        path = cost_path(ident).with_suffix(".context-learned.json" if key[-1] else ".learned.json")
         controller = SpeedController(sizes, cost, curve, start_size=base.remain_total, path=path, ident=ident)
         _CONTROLLERS.setdefault(head, {})[key] = controller
         _LIVE.add(controller)

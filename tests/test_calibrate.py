@@ -2,6 +2,7 @@
 acceptance curve, the latency curve, the first-call machine cost and its cache (never failing a call, never taking an
 implausible value), the head's dtype by measurement, and `load_default`."""
 
+import dataclasses
 import json
 import sys
 
@@ -74,27 +75,28 @@ def test_decoding_records_accepted_ranks():
     assert "accepted_ranks" in stats.as_dict()
 
 
+@pytest.mark.parametrize("context_draft", [False, True])
 @pytest.mark.parametrize("kind", ["random", "replay3", "replay5"])
-def test_tau_of_smaller_trees_is_exact_per_step(kind):
+def test_tau_of_smaller_trees_is_exact_per_step(kind, context_draft):
     """The claim: from every state of a greedy R_max=60 run, a real run with remain_total=R accepts exactly the
     leading accepted nodes of rank < R. Each state is rebuilt by decoding from the prefix before its root."""
     model = dart_hf.enable(tiny_target())
     new_tokens = 24
     plain = model.generate(PROMPT, max_new_tokens=new_tokens + 12, do_sample=False)
     head = random_head(model) if kind == "random" else oracle_head(model, plain[0], wrong_every=int(kind[-1]))
-    config = TreeConfig(remain_total=60)
+    config = TreeConfig(remain_total=60, context_draft=context_draft)
     out = model.generate(PROMPT, max_new_tokens=new_tokens, do_sample=False, dart_head=head, dart_tree_config=config)
     assert torch.equal(out, plain[:, : out.shape[1]])
     stats = model.dart_stats
     sizes = (1, 2, 4, 8, 16, 30)
-    if kind == "replay5":
+    if kind == "replay5" and not context_draft:
         assert any(r and r[-1] >= 16 for r in stats.accepted_ranks)  # some accepted nodes rank deep in the tree
     length = PROMPT.shape[1] + 1  # the prefill emits the first root
     for step, ranks in enumerate(stats.accepted_ranks):
         prefix = out[:, : length - 1]  # decoding from here re-emits the root, then verifies step `step`'s tree
         for r in sizes + (60,):  # (3 new tokens: a call's last token is decided by the root alone)
             model.generate(prefix, max_new_tokens=3, do_sample=False, dart_head=head,
-                           dart_tree_config=TreeConfig(remain_total=r))
+                           dart_tree_config=dataclasses.replace(config, remain_total=r))
             assert model.dart_stats.accepted_lengths[0] == stats.accepted_within(r)[step], (step, r)
             if r == 60:
                 assert model.dart_stats.accepted_ranks[0] == ranks  # the state was rebuilt faithfully
@@ -104,7 +106,7 @@ def test_tau_of_smaller_trees_is_exact_per_step(kind):
     assert same
     for r in same:
         again = model.generate(PROMPT, max_new_tokens=new_tokens, do_sample=False, dart_head=head,
-                               dart_tree_config=TreeConfig(remain_total=r))
+                               dart_tree_config=dataclasses.replace(config, remain_total=r))
         assert torch.equal(again, out) and model.dart_stats.tau == stats.tau_at(r)
 
 

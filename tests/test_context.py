@@ -112,7 +112,7 @@ def test_drafter_rows_extend_select_and_pack():
     assert [r.tokens for r in drafter.rows] == [[9, 9], [1, 2, 3, 1, 2, 3]]
     again = drafter.propose(roots=[9, 4])  # row 1's last token is not its root: it proposes nothing
     assert (again.depths[1] == 0).all()
-    off = ContextDrafter([[1, 2, 1]], TreeConfig()).propose()
+    off = ContextDrafter([[1, 2, 1]], TreeConfig(context_draft=False)).propose()
     assert off.width == 0
     with pytest.raises(ValueError, match="2 rows of tokens for 3"):
         ContextDrafter([[1], [2], [3]], cfg).extend([[1], [2]])

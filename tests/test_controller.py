@@ -57,7 +57,7 @@ def test_the_line_of_timed_steps_is_a_weighted_fit_with_a_slope_never_negative()
     points = [(x, 0.5 + 2.0 * x, w) for x, w in ((1.0, 1.0), (2.0, 3.0), (4.0, 0.5))]
     assert fit_line(points) == pytest.approx((0.5, 2.0))
     assert fit_line([(1.0, 3.0, 1.0), (2.0, 1.0, 1.0)]) == pytest.approx((2.0, 0.0))  # a smaller tree is never dearer
-    assert fit_line([(1.0, 1.0, 1.0), (1.1, 2.0, 1.0)]) is None  # too close to tell a slope
+    assert fit_line([(4.0, 1.0, 1.0), (5.0, 2.0, 1.0)]) is None  # too close to tell a slope
     assert fit_line([(1.0, 1.0, 1.0)]) is None
 
 
@@ -266,6 +266,20 @@ def test_nor_keeps_the_wrong_tree_when_load_bent_the_first_measurement():
     rate_over_calls(ctrl, machine, 3)
     assert rate_over_calls(ctrl, machine, 10) >= 0.93 * best_rate
     assert ctrl.choice(TreeConfig(), 1, 100).remain_total <= 2 * best
+
+
+@pytest.mark.parametrize("bend", [lambda k: 4.0 if k <= 8 else 1.5, lambda k: 1.5 if k <= 8 else 4.0])
+def test_nor_when_load_bent_the_measurement_either_way(bend):
+    """Load inflated small forwards more than large ones (or the reverse): the timed steps contradict the prior's
+    shape, and the choice follows what the steps measure."""
+    machine = Machine(verify=lambda k: 0.040 + 0.008 * k)
+    best, best_rate = best_fixed(machine)
+    cost = prior_from(machine)
+    cost.verify_ms = {k: ms * bend(k) for k, ms in cost.verify_ms.items()}
+    cost.plain_ms *= 4.0
+    ctrl = controller(machine, cost=cost, curve=curve_of(machine))
+    rate_over_calls(ctrl, machine, 4)
+    assert rate_over_calls(ctrl, machine, 10) >= 0.9 * best_rate
 
 
 def test_a_head_without_a_curve_learns_one_from_its_calls():

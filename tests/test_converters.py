@@ -541,7 +541,7 @@ def test_convert_sglang_from_our_dir(tmp_path, inputs):
     assert (cfg["draft_length"], cfg["draft_vocab_size"], cfg["target_hidden_size"]) == (3, 20, 16)
     assert cfg["dart_config"] == {"topk": 16, "beam_width": 20, "remain_total": 60, "ngram_weight": 0.5,
                                   "eos_token_id": 7, "level_weight_exponent": 0.7, "logit_weight_decay": 0.9,
-                                  "max_depth": None, "context_draft": False, "context_depth": 16,
+                                  "max_depth": None, "context_draft": True, "context_depth": 16,
                                   "context_matches": 4, "context_min_match": 2, "context_max_match": 4,
                                   "ngram_file": "ngram.safetensors"}
     assert "dart_tree" not in cfg and "dart_ngram_file" not in cfg

@@ -63,11 +63,13 @@ def test_eagle_topk_rule():
     cfg = TreeConfig(topk=2, beam_width=8, remain_total=30)
     # 31 nodes over 6 levels: up to 29 internal non-root nodes need ceil(29 / 5) = 6 rows per level
     assert eagle_topk(cfg, 6, 31) == 6
-    assert eagle_topk(TreeConfig(topk=25), 7, 61) == 25
+    assert eagle_topk(TreeConfig(topk=25, context_draft=False), 7, 61) == 25
+    assert eagle_topk(TreeConfig(topk=25), 7, 61) == 29  # each followed context occurrence may add a child
 
 
 def test_settings_from_a_converted_directory(tmp_path):
-    _, head_dir = write_models(tmp_path, draft_length=3, tree={"topk": 4, "beam_width": 4, "remain_total": 8})
+    _, head_dir = write_models(tmp_path, draft_length=3, tree={"topk": 4, "beam_width": 4, "remain_total": 8,
+                                                               "context_draft": False})
     s = DartServeSettings.from_draft_dir(head_dir)
     assert (s.draft_length, s.num_levels, s.topk, s.num_draft_tokens) == (3, 4, 4, 9)
     assert s.tree.eos_token_id == EOS and s.ngram_path is None
@@ -128,7 +130,7 @@ def test_encoding_round_trips(kwargs, draft_length):
 
 
 def test_encoding_rejects_trees_that_do_not_fit():
-    cfg = TreeConfig(topk=4, beam_width=4, remain_total=12)
+    cfg = TreeConfig(topk=4, beam_width=4, remain_total=12, context_draft=False)
     trees = random_trees(cfg, 3, batch=1, seed=0)
     with pytest.raises(ValueError, match="more than topk=2 children"):
         encode_eagle_trees(trees, 2, 4)
@@ -263,7 +265,8 @@ def test_server_args_come_from_the_head(tmp_path):
     import dart_sglang
 
     dart_sglang.register()
-    target, head = write_models(tmp_path, draft_length=3, tree={"topk": 4, "beam_width": 4, "remain_total": 8})
+    target, head = write_models(tmp_path, draft_length=3, tree={"topk": 4, "beam_width": 4, "remain_total": 8,
+                                                                "context_draft": False})
     def resolve(*args):
         server_args = prepare_server_args(list(args))
         server_args.resolve_once()
