@@ -40,7 +40,8 @@ import torch
 import dart_hf
 from dart_bench import DATA_DIR, chat_batch, environment, prompt_set, prompts_from_file, script_parser, timed, \
     write_results
-from dart_core import AcceptanceCurve, DartConfig, DartHead
+from dart_bench.replay import random_head
+from dart_core import AcceptanceCurve, DartHead
 
 CELLS = ("batch", "context", "threads", "cannot_pay", "load", "heldout")
 
@@ -139,19 +140,11 @@ def busy_cores(count: int):
             p.join()
 
 
-def random_head(model, curve: bool) -> DartHead:
+def head_that_cannot_pay(model, curve: bool) -> DartHead:
     """A head of the shipped shape with random weights (it accepts next to nothing); with `curve`, one that claims
     it pays (a flat tau of 1.3 at every size)."""
     cfg = model.config
-    torch.manual_seed(0)
-    head = DartHead(DartConfig(hidden_size=cfg.hidden_size, intermediate_size=1536, num_attention_heads=9,
-                               num_key_value_heads=3, vocab_size=cfg.vocab_size, draft_vocab_size=8192,
-                               draft_length=6, target_hidden_size=cfg.hidden_size,
-                               num_target_layers=cfg.num_hidden_layers))
-    with torch.no_grad():
-        for p in head.parameters():
-            p.normal_(0.0, 0.02)
-        head.d2t.copy_(torch.randint(0, cfg.vocab_size - 8192, (8192,)))
+    head = random_head(cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers, draft_length=6)
     if curve:
         head.acceptance = AcceptanceCurve(tau={r: 1.3 for r in (1, 2, 3, 4, 8, 16, 60)}, steps=100, new_tokens=130,
                                           prompts=1)
@@ -201,9 +194,9 @@ def main(argv=None) -> int:
             rows.append(run_cell(f"{threads} thread{'s' if threads > 1 else ''}", singles, threads=threads, **kw))
     if "cannot_pay" in cells:
         rows.append(run_cell("random head, no curve", singles, threads=2,
-                             head_factory=lambda m: random_head(m, curve=False), **kw))
+                             head_factory=lambda m: head_that_cannot_pay(m, curve=False), **kw))
         rows.append(run_cell("random head, a curve claiming 1.3", singles, threads=2,
-                             head_factory=lambda m: random_head(m, curve=True), **kw))
+                             head_factory=lambda m: head_that_cannot_pay(m, curve=True), **kw))
     if "load" in cells:
         rows.append(run_cell("first call under load", singles, threads=2, load_first=True, **kw))
     if "heldout" in cells:

@@ -66,3 +66,19 @@ class ReplayHead(DartHead):
         if head.get_input_embeddings() is not None:
             replay.set_input_embeddings(head.get_input_embeddings())
         return replay
+
+
+def random_head(hidden_size: int, vocab_size: int, num_target_layers: int, draft_length: int, seed: int = 0,
+                draft_vocab_size: int = 8192) -> DartHead:
+    """A head of the shipped SmolLM2 head's shape (1,536-wide MLP, 9 heads, 3 KV heads) with random weights
+    (N(0, 0.02), a random d2t): it accepts next to nothing, at a trained head's cost."""
+    torch.manual_seed(seed)
+    head = DartHead(DartConfig(hidden_size=hidden_size, intermediate_size=1536, num_attention_heads=9,
+                               num_key_value_heads=3, vocab_size=vocab_size, draft_vocab_size=draft_vocab_size,
+                               draft_length=draft_length, target_hidden_size=hidden_size,
+                               num_target_layers=num_target_layers))
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0.0, 0.02)
+        head.d2t.copy_(torch.randint(0, vocab_size - draft_vocab_size, (draft_vocab_size,)))
+    return head

@@ -52,16 +52,10 @@ def test_demo_without_the_head_is_one_line_naming_the_directory(tmp_path, monkey
 
 
 def smollm2_shaped_head(path):
-    from dart_core import DartConfig, DartHead, TreeConfig
+    from dart_bench.replay import random_head
+    from dart_core import TreeConfig
 
-    torch.manual_seed(0)
-    head = DartHead(DartConfig(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
-                               vocab_size=49152, draft_vocab_size=8192, draft_length=4, target_hidden_size=576,
-                               num_target_layers=30))
-    with torch.no_grad():
-        for p in head.parameters():
-            p.normal_(0.0, 0.02)
-        head.d2t.copy_(torch.randint(0, 49152 - 8192, (8192,)))
+    head = random_head(576, 49152, 30, draft_length=4)
     head.tree_config = TreeConfig(remain_total=8, eos_token_id=2)
     head.save_pretrained(path, dtype=torch.float16)
 

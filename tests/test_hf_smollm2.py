@@ -9,7 +9,8 @@ from transformers import TextIteratorStreamer, TextStreamer, pipeline
 import dart_hf
 from conftest import TEST_THREADS
 from dart_bench import read_prompt_rows
-from dart_core import DartConfig, DartHead
+from dart_bench.replay import random_head
+from dart_core import DartHead
 
 pytestmark = pytest.mark.slow
 
@@ -25,16 +26,7 @@ def smollm2():
 def head(smollm2):
     model, _ = smollm2
     cfg = model.config
-    torch.manual_seed(0)
-    head = DartHead(DartConfig(hidden_size=cfg.hidden_size, intermediate_size=1536, num_attention_heads=9,
-                               num_key_value_heads=3, vocab_size=cfg.vocab_size, draft_vocab_size=8192,
-                               draft_length=4, target_hidden_size=cfg.hidden_size,
-                               num_target_layers=cfg.num_hidden_layers))
-    with torch.no_grad():
-        for p in head.parameters():
-            p.normal_(0.0, 0.02)
-        head.d2t.copy_(torch.randint(0, cfg.vocab_size - 8192, (8192,)))
-    return head
+    return random_head(cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers, draft_length=4)
 
 
 def chat(tokenizer, text):
