@@ -132,6 +132,7 @@ class NGramModel:
         # all keys but the last: a search there returns an index < num_nodes, which `keys` then confirms or not
         self._keys_search = keys[:-1] if keys.numel() else keys
         self._packers: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._host: Optional[tuple[np.ndarray, np.ndarray]] = None  # numpy views of keys, counts (CPU models)
 
     # ------------------------------------------------------------------ construction
 
@@ -419,6 +420,67 @@ class NGramModel:
                     out[j] = float(np.float32(c) / denominator)
                     matched[j] = True
         return out
+
+    def top_continuations(self, context: Sequence[int], k: int) -> list[tuple[int, float]]:
+        """The up-to-k most frequent continuations of `context` as (token, q), q descending, then token ascending.
+
+        One back-off for the whole set: the longest suffix of `context` (length min(order-1, len(context)) down to 1)
+        with at least one stored child gives all of them, q = count(suffix + [t]) / count(suffix) as a float64 (at
+        most 1; `probability` gives the same values rounded to float32). A suffix holding an id >= vocab_bound has no
+        children. [] when no suffix has any (empty context, order 1). CPU models only (ValueError elsewhere): a host
+        look-up of two binary searches and a partial sort of one key range.
+        """
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0:
+            raise ValueError(f"k must be an integer >= 0, got {k!r}")
+        if self._host is None:
+            if self.keys.device.type != "cpu":
+                raise ValueError(f"top_continuations needs the n-gram on the CPU, not {self.keys.device}: "
+                                 "load it without a device (or .to('cpu')) for host look-ups")
+            self._host = (self.keys.numpy(), self.counts.numpy())
+        keys, counts = self._host
+        longest = min(self._ctx_len, len(context))
+        if longest == 0 or k == 0:
+            return []
+        tail = context[len(context) - longest:]
+        if isinstance(tail, (torch.Tensor, np.ndarray)):
+            tail = tail.tolist()
+        tail = self._check_ids(tail, "context")
+        base, bound = self._base, self.vocab_bound
+        suffix_keys = []  # keys of tail[-1:], tail[-2:], ...: shortest first, cut at the first id >= vocab_bound
+        key, place = 0, 1
+        for t in reversed(tail):
+            if t >= bound:
+                break
+            key += (t + 1) * place
+            place *= base
+            suffix_keys.append(key)
+        for ck in reversed(suffix_keys):
+            first = ck * base + 1  # children of ck: keys first .. first + vocab_bound - 1
+            lo = int(keys.searchsorted(first))
+            hi = int(keys.searchsorted(first + bound))
+            if lo == hi:
+                continue
+            child = counts[lo:hi].astype(np.int64)  # [M]
+            kept = None  # positions in lo..hi of the children when some counts are 0 (not children: `probability`)
+            if not child.all():
+                kept = np.flatnonzero(child)
+                if kept.size == 0:
+                    continue
+                child = child[kept]
+            at = int(keys.searchsorted(ck))
+            total = max(int(counts[at]) if at < keys.size and keys[at] == ck else 0, 1)
+            child = np.minimum(child, total)
+            # one sort key per child: larger count first, then the earlier position (= smaller token)
+            rank = (total - child) * child.size + np.arange(child.size)
+            if child.size > k:
+                pick = np.argpartition(rank, k - 1)[:k]
+                pick = pick[np.argsort(rank[pick])]
+            else:
+                pick = np.argsort(rank)
+            positions = lo + (pick if kept is None else kept[pick])
+            tokens = (keys[positions] - first).tolist()
+            return [(t, c / total) for t, c in zip(tokens, child[pick].tolist())]
+        return []
 
     def batch_probability(self, contexts: torch.Tensor, tokens: torch.Tensor,
                           validate: Optional[bool] = None) -> torch.Tensor:
