@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     model, tokenizer = dart_hf.load_smollm2()
-    dart_hf.enable(model)
+    dart_hf.enable(model, False)
     ids = chat_ids(tokenizer, DEMO_PROMPT)
     mask = torch.ones_like(ids)
     reference = model.generate(ids, attention_mask=mask, max_new_tokens=args.new_tokens + 16, do_sample=False,

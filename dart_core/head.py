@@ -14,6 +14,7 @@ from torch import nn
 from dart_core import head_math
 from dart_core.config import ACCEPTANCE_KEY, CONFIG_NAME, AcceptanceCurve, DartConfig, TreeConfig
 from dart_core.context import ContextProposals
+from dart_core.drafter import Drafter
 from dart_runtime.cuda_graph import cached_graph
 from dart_core.errors import DartInputError
 from dart_core.io import atomic_write, is_inside, load_safetensors_checked, save_safetensors_atomic
@@ -172,7 +173,7 @@ class DartHeadCache:
         self.lengths = self.lengths[rows]
 
 
-class DartHead(nn.Module):
+class DartHead(Drafter):
     """DART draft head: reads target hidden states at three taps and the next tokens, returns logits for D+1 positions.
 
     `head(aux, shifted_ids)` with aux [B, T, 3*Ht] and shifted_ids [B, T] returns [B, D+1, draft_vocab] logits: row 0
@@ -182,7 +183,6 @@ class DartHead(nn.Module):
 
     # `architectures` entry of a saved directory; a subclass with other weights (Eagle3Head) writes its own
     ARCHITECTURE = "DartHead"
-    DRAFTS_WITH_CONTEXT = True  # `build_tree` merges the rows' context paths (docs/DESIGN.md §2.6)
 
     def __init__(self, config: DartConfig) -> None:
         super().__init__()
@@ -196,10 +196,6 @@ class DartHead(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
         self._embed: Optional[nn.Embedding] = None
         self._embedding_from_checkpoint = False  # a table loaded with the weights is saved with them again
-        self.ngram = None
-        self.tree_config: Optional[TreeConfig] = None
-        self.acceptance: Optional[AcceptanceCurve] = None  # tau(R) on its target, when measured (config.json)
-        self.cuda_graphs: dict = {}  # the decoding loop's CUDA-graphed step parts, kept with the head (dart_hf.loop)
 
     def _apply(self, fn, recurse=True):
         """`.to()`/`.half()` move the RoPE frequencies but keep them float32 (a bf16 copy would shift positions);
@@ -237,9 +233,8 @@ class DartHead(nn.Module):
     def get_input_embeddings(self) -> Optional[nn.Module]:
         return self._embed
 
-    def default_tree_config(self, eos_token_id: Optional[int]) -> TreeConfig:
-        """The tree settings used when neither the caller nor the head's directory gives any: the reference's."""
-        return TreeConfig(eos_token_id=eos_token_id)
+    def identity(self) -> dict:
+        return {"config": self.config.to_dict()}
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Map draft-vocab ids (any shape) to target ids: `draft + d2t[draft]`."""
@@ -338,7 +333,6 @@ class DartHead(nn.Module):
 
     # ---- the drafter interface: what decoding, calibration and training call ---------------------------------
     # (a drafter with other mechanics, `dart_core.eagle3.Eagle3Head`, overrides these and `max_batch_size`)
-    max_batch_size: Optional[int] = None  # sequences one `draft` call takes (None: any)
 
     def draft(self, aux_rows: torch.Tensor, new_ids: torch.Tensor, lengths: Optional[torch.Tensor],
               cache: DartHeadCache, tree_config: TreeConfig, cuda_graph: bool = False):

@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 
 from dart_core.config import TreeConfig
-from dart_core.context import SOURCE_CONTEXT, SOURCE_HEAD, ContextProposals
+from dart_core.context import SOURCE_HEAD, ContextProposals
 from dart_core.errors import DartInputError
 
 
@@ -329,7 +329,7 @@ def _select_merged(scores: torch.Tensor, plan: _SearchPlan, beam_parents: list[t
     """`_select_nodes` over the head's pool merged with the context paths (docs/DESIGN.md §2.6).
 
     A context entry whose token path is a head pool entry's merges into it (score: the larger of the two; sources:
-    both bits); the others join the pool after the head's entries. The tree is the best min(remain_total, P) of the
+    the head's bit and the entry's); the others join the pool after the head's entries. The tree is the best min(remain_total, P) of the
     merged pool by score, ties by depth, then head entries before context entries, then pool order. Context entries
     deeper than `max_context_depth` are left out. Fixed operators, no host synchronisation."""
     b, p = scores.shape
@@ -338,6 +338,7 @@ def _select_merged(scores: torch.Tensor, plan: _SearchPlan, beam_parents: list[t
     long = dict(dtype=torch.long, device=device)
     c = context.width
     ctx_tokens, ctx_parents, ctx_depths = (t.to(device=device, dtype=torch.long) for t in context.tensors()[:3])
+    ctx_sources = context.sources.to(device=device, dtype=torch.long)
     usable = (ctx_depths >= 1) & (ctx_depths <= max_context_depth)  # [B, C]
     ctx_scores = torch.where(usable, context.scores.to(device=device, dtype=scores.dtype), float("-inf"))
 
@@ -370,7 +371,7 @@ def _select_merged(scores: torch.Tensor, plan: _SearchPlan, beam_parents: list[t
     neg_inf = torch.full((b, p + 1), float("-inf"), dtype=scores.dtype, device=device)
     target = torch.where(matched, match + 1, 0)  # unmatched entries write -inf / False into slot 0
     lift = neg_inf.scatter(1, target, torch.where(matched, ctx_scores, float("-inf")))[:, 1:]
-    both = torch.zeros(b, p + 1, dtype=torch.bool, device=device).scatter(1, target, matched)[:, 1:]
+    lifted_sources = torch.zeros(b, p + 1, **long).scatter(1, target, torch.where(matched, ctx_sources, 0))[:, 1:]
     parent_matched = torch.gather(matched, 1, parent_at)
     ctx_pool_parents = torch.where(top, -1, torch.where(parent_matched, torch.gather(match, 1, parent_at),
                                                         p + ctx_parents))
@@ -378,8 +379,7 @@ def _select_merged(scores: torch.Tensor, plan: _SearchPlan, beam_parents: list[t
     all_depths = torch.cat((head_depths, ctx_depths), dim=1)  # [B, P + C]
     all_tokens = torch.cat((head_tokens, ctx_tokens), dim=1)
     all_parents = torch.cat((head_parents, ctx_pool_parents), dim=1)
-    all_sources = torch.cat((SOURCE_HEAD + SOURCE_CONTEXT * both.long(), torch.full_like(ctx_tokens, SOURCE_CONTEXT)),
-                            dim=1)
+    all_sources = torch.cat((SOURCE_HEAD | lifted_sources, ctx_sources), dim=1)
 
     r = min(remain_total, p)  # the head's pool alone has p distinct paths: the count never depends on the context
     by_depth = torch.sort(all_depths, dim=1, stable=True).indices  # ties by depth, then pool order
@@ -399,6 +399,47 @@ def _select_merged(scores: torch.Tensor, plan: _SearchPlan, beam_parents: list[t
         valid=torch.ones(b, r + 1, dtype=torch.bool, device=device),
         sources=torch.cat((zero, torch.gather(all_sources, 1, nodes)), dim=1),
     )
+
+
+def proposal_trees(context: ContextProposals, roots: torch.Tensor, remain_total: int,
+                   max_depth: int) -> DraftTreeBatch:
+    """B draft trees from proposed paths alone (model-free drafting, docs/DESIGN.md §2.7): per row the best
+    min(remain_total, its usable entries) entries by score, shallower first on ties, then entry order; entries deeper
+    than `max_depth` are left out. N = 1 + the most any row keeps (rows with fewer nodes are padded; a batch where
+    nothing is proposed gives the roots alone). context [B, P] on the roots' device, roots [B]. Reads the entry
+    counts back to the host (the node count depends on them)."""
+    b, device = roots.shape[0], roots.device
+    long = dict(dtype=torch.long, device=device)
+    tokens, parents, depths, scores, sources = (t.to(device) for t in context.tensors())
+    usable = (depths >= 1) & (depths <= max_depth) & torch.isfinite(scores)  # [B, P]
+    r = min(remain_total, int(usable.sum(dim=1).max())) if context.width else 0
+    minus1 = torch.full((b, 1), -1, **long)
+    if r == 0:
+        return DraftTreeBatch(roots[:, None], minus1, torch.zeros_like(minus1), torch.zeros(b, 1, device=device),
+                              torch.ones(b, 1, dtype=torch.bool, device=device))
+    depth_key = torch.where(usable, depths, MAX_TREE_DEPTH_KEY)  # unusable entries after every usable one
+    by_depth = torch.sort(depth_key, dim=1, stable=True).indices
+    ranked = torch.where(usable, scores.float(), float("-inf"))
+    order = torch.sort(torch.gather(ranked, 1, by_depth), dim=1, descending=True, stable=True).indices[:, :r]
+    best = torch.gather(by_depth, 1, order)  # [B, R] in selection order
+    nodes = torch.gather(best, 1, torch.sort(torch.gather(depth_key, 1, best), dim=1, stable=True).indices)
+    valid = torch.gather(usable, 1, nodes)  # [B, R]: a row with fewer entries ends in padding
+    node_of_entry = torch.zeros(b, context.width + 1, **long)  # slot 0 stands for the root
+    node_of_entry.scatter_(1, nodes + 1, torch.arange(1, r + 1, device=device).expand(b, r))
+    new_parents = torch.gather(node_of_entry, 1, torch.gather(parents, 1, nodes) + 1)
+    true = torch.ones(b, 1, dtype=torch.bool, device=device)
+    return DraftTreeBatch(
+        tokens=torch.cat((roots[:, None], torch.where(valid, torch.gather(tokens, 1, nodes), 0)), dim=1),
+        parents=torch.cat((minus1, torch.where(valid, new_parents, -1)), dim=1),
+        depths=torch.cat((torch.zeros_like(minus1), torch.where(valid, torch.gather(depths, 1, nodes), 0)), dim=1),
+        scores=torch.cat((torch.zeros(b, 1, device=device),
+                          torch.where(valid, torch.gather(scores.float(), 1, nodes), float("-inf"))), dim=1),
+        valid=torch.cat((true, valid), dim=1),
+        sources=torch.cat((torch.zeros_like(minus1), torch.where(valid, torch.gather(sources, 1, nodes), 0)), dim=1),
+    )
+
+
+MAX_TREE_DEPTH_KEY = 1 << 30  # sorts after every real depth
 
 
 def _check_context_shapes(context: ContextProposals, tokens: torch.Tensor) -> None:

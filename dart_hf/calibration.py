@@ -435,8 +435,8 @@ def head_identity(head: DartHead, base: TreeConfig) -> str:
         sample = torch.cat((keys[:4096], keys[-4096:])) if keys.numel() > 8192 else keys
         ngram_id = [ngram.order, ngram.vocab_bound, ngram.num_nodes, _tensor_digest({"k": sample})]
     search = {k: v for k, v in base.to_dict().items() if k != "remain_total"}
-    return _digest({"class": type(head).__name__, "config": head.config.to_dict(), "weights":
-                    _tensor_digest(head.state_dict()), "ngram": ngram_id, "search": search})
+    return _digest({"class": type(head).__name__, **head.identity(), "weights": _tensor_digest(head.state_dict()),
+                    "ngram": ngram_id, "search": search})
 
 
 def identity(model, head: DartHead) -> dict:

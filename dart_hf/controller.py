@@ -344,8 +344,11 @@ class SpeedController:
         if timed is not None and timed.weight > 0:
             return timed.value
         prior = self.prior_step_s(key, size)
-        if prior is None:
-            return None
+        if prior is None:  # no first-call measurement: the line through the plain step and the timed sizes
+            plain = regime.plain.value
+            points = [(key[0] * (r + 1), m.value, m.weight) for r, m in regime.steps.items() if m.weight > 0]
+            line = fit_line(points + ([(key[0], plain, regime.plain.weight)] if plain is not None else []))
+            return None if line is None else max(line[0] + line[1] * key[0] * (size + 1), 1e-9)
         timed_sizes = {r: m for r, m in regime.steps.items() if m.weight > 0}
         ratios = [m.value / self.prior_step_s(key, r) for r, m in timed_sizes.items()]
         if len(ratios) >= 2 and max(ratios) > SHAPE_TOLERANCE * min(ratios):
@@ -723,7 +726,7 @@ def controller_for(model, head: DartHead, context: Optional[bool] = None) -> Spe
         if found is not None:
             return found
         try:
-            cost = machine_cost(model, head)
+            cost = machine_cost(model, head) if head.measures_first_call else None
         except Exception as err:  # noqa: BLE001 -- the prior is optional: no failure of it may fail the call
             warnings.warn(f"dart-spec could not measure what a verify step costs here ({type(err).__name__}: {err}); "
                           "the tree sizes are learned from the calls alone", DartCacheWarning, stacklevel=3)

@@ -45,7 +45,7 @@ def load_default(head_dir: Optional[str | os.PathLike] = None, *, attn_implement
         what = "the shipped DART head for SmolLM2" if head_dir is None else "the DART head"
         raise FileNotFoundError(f"{what} is missing: no config.json in {directory}")
     model, tokenizer = load_smollm2(attn_implementation=attn_implementation)
-    enable(model.to(target_dtype))
+    enable(model.to(target_dtype), False)
     param = next(model.parameters())
     head = DartHead.from_pretrained(directory, device=param.device)
     head.to(dtype=head_dtype or default_head_dtype(head, param.dtype, param.device))

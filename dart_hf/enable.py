@@ -11,7 +11,9 @@ from typing import Optional
 
 import torch
 
-from dart_core import DartHead, TreeConfig
+from dart_core import DartHead, Drafter, ModelFreeDrafter, OutputStore, TreeConfig
+from dart_core.errors import DartInputError
+from dart_core.store import check_store_cap
 from dart_hf.candidate import DartCandidateGenerator
 from dart_hf import compat
 from dart_hf.compat import CAPTURE_HOOK, CAPTURE_HOOKS_FLAG
@@ -61,10 +63,12 @@ class DartGenerationMixin:
             _record_stats(self, None)
             return super().generate(inputs, generation_config, **kwargs)
         explicit = dart_head is not None
-        if explicit and not isinstance(dart_head, DartHead):
-            raise TypeError(f"dart_head must be a dart_core.DartHead (or False for plain generate()), got "
-                            f"{type(dart_head).__name__}")
+        if explicit and not isinstance(dart_head, Drafter):
+            raise TypeError(f"dart_head must be a dart_core.DartHead or ModelFreeDrafter (or False for plain "
+                            f"generate()), got {type(dart_head).__name__}")
         options = (DartOptions(dart_head) if explicit else attached).with_call(asked)
+        if options.store is None:
+            options = dataclasses.replace(options, store=getattr(self, "_dart_store", None))
         clash = next((name for name in OTHER_METHODS if kwargs.get(name) is not None), None)
         if clash is not None:
             if explicit:
@@ -77,7 +81,9 @@ class DartGenerationMixin:
             if controller is not None and not explicit:
                 mode, reason = controller.call_mode(*_call_shape(inputs, kwargs))
             if mode == "plain":
-                return self._timed_plain_generate(controller, reason, inputs, generation_config, kwargs)
+                result = self._timed_plain_generate(controller, reason, inputs, generation_config, kwargs)
+                remember_outputs(options.store, inputs, kwargs, result, generation_config or self.generation_config)
+                return result
             # the controller is made (its first-call measurement) once the call's checks have passed
             policy = CallPolicy(functools.partial(controller_for, self, options.head, context),
                                 may_go_plain=not explicit,
@@ -92,8 +98,10 @@ class DartGenerationMixin:
         dart_kwargs["custom_generate"] = _decoding(options, streamer, tokenizer,
                                                    compat.synced_gpus(self, kwargs.get("synced_gpus")), policy)
         try:  # generate() drops the call's tokenizer on the custom_generate path: the two methods below get it here
-            return contextvars.copy_context().run(_with_tokenizer, tokenizer, super().generate, inputs,
-                                                  generation_config, **dart_kwargs)
+            result = contextvars.copy_context().run(_with_tokenizer, tokenizer, super().generate, inputs,
+                                                    generation_config, **dart_kwargs)
+            remember_outputs(options.store, inputs, kwargs, result, generation_config or self.generation_config)
+            return result
         except NotApplicable as err:
             if explicit:
                 raise
@@ -137,6 +145,12 @@ class DartGenerationMixin:
             controller.save()
 
     @property
+    def dart_store(self) -> Optional[OutputStore]:
+        """The store of earlier outputs that DART calls on this model match (`dart_hf.enable(..., store=)`; None:
+        none). `model.dart_store.clear()` forgets them."""
+        return getattr(self, "_dart_store", None)
+
+    @property
     def dart_stats(self):
         """The `DartStats` of this thread's last DART call on the model (None before one, or after a call that ran
         as plain generate()); `dart_hf.last_stats(model)`."""
@@ -144,6 +158,9 @@ class DartGenerationMixin:
 
     def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
                                  assistant_model=None, target_tokenizer=None, assistant_tokenizer=None):
+        if isinstance(assistant_model, Drafter) and not isinstance(assistant_model, DartHead):
+            raise DartInputError(f"assistant_model takes a DartHead (a chain per step); a "
+                                 f"{type(assistant_model).__name__} drafts through dart_head= instead")
         if isinstance(assistant_model, DartHead):
             generator = DartCandidateGenerator(self, assistant_model, generation_config)
             _record_stats(self, generator.stats)
@@ -160,7 +177,7 @@ class DartGenerationMixin:
 
 def _enabled_instance(cls: type):
     """An empty instance of `cls`, enabled; pickle then restores its state."""
-    return enable(cls.__new__(cls))
+    return enable(cls.__new__(cls), False, store=False)
 
 
 
@@ -202,17 +219,57 @@ def _with_tokenizer(call_tokenizer, generate, *args, **kwargs):
     return generate(*args, **kwargs)
 
 
-def enable(model, head: Optional[DartHead] = None, *, ngram=None, tree_config: Optional[TreeConfig] = None):
+PROMPT_TAIL = 16  # prompt tokens kept before each output in the store: a later call matches into the output from them
+
+
+def remember_outputs(store: Optional[OutputStore], inputs, kwargs: dict, result, generation_config) -> None:
+    """Keep each row of a finished call in `store` (when there is one): its last `PROMPT_TAIL` prompt tokens and its
+    new tokens up to and including the first EOS."""
+    if not isinstance(store, OutputStore):
+        return
+    ids = inputs if inputs is not None else kwargs.get("input_ids")
+    sequences = getattr(result, "sequences", result)
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or not isinstance(sequences, torch.Tensor):
+        return
+    mask = kwargs.get("attention_mask")
+    mask = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
+    eos = generation_config.eos_token_id
+    eos = set(eos.flatten().tolist() if isinstance(eos, torch.Tensor) else
+              eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+    for prompt, keep, row in zip(ids.tolist(), mask.tolist(), sequences[:, ids.shape[1]:].tolist()):
+        new = next((row[:i + 1] for i, t in enumerate(row) if t in eos), row)
+        real = [t for t, k in zip(prompt, keep) if k]
+        store.add(real[len(real) - PROMPT_TAIL:] + new if len(real) > PROMPT_TAIL else real + new)
+
+
+def enable(model, head=None, *, ngram=None, tree_config: Optional[TreeConfig] = None, store=True):
     """Give `model` (a transformers causal LM) DART generation in place; returns the same object.
 
-    `generate()` learns `dart_head=`, `dart_ngram=`, `dart_tree_config=`, `dart_sync_timing=`, `dart_cuda_graph=`
-    and accepts a `DartHead` as `assistant_model`. With `head` (and optionally `ngram` / `tree_config` overriding
-    its own), every later `generate()` call decodes with that head where DART applies (pipelines and evaluation
-    harnesses included); a call that asks for what DART does not do (beam search, several return sequences, another
-    assistant, a static cache, ...) runs as plain generate() after one `DartFallbackWarning` naming the reason.
-    `generate(dart_head=False)` is plain generate() for one call; an explicit `dart_head=` keeps DART's errors.
-    The head must fit the model (checked here). The class keeps its name (pipelines and logging look at it).
+    `head`: the drafter every later `generate()` call decodes with where DART applies (pipelines and evaluation
+    harnesses included): a `DartHead`, or by default (None) `dart_core.ModelFreeDrafter()`, which drafts from the
+    context, earlier outputs and `ngram` on any model with no training; False attaches nothing (calls then use DART
+    only with `generate(dart_head=...)`). `ngram` / `tree_config` override the drafter's own. `store`: the earlier
+    outputs DART calls match (docs/DESIGN.md §2.7): True (an `OutputStore` of the default cap), a cap in tokens, an
+    `OutputStore`, or False (none); `model.dart_store` holds it.
+
+    `generate()` learns `dart_head=`, `dart_ngram=`, `dart_tree_config=`, `dart_store=`, `dart_sync_timing=`,
+    `dart_cuda_graph=` and accepts a `DartHead` as `assistant_model`. A call that asks for what DART does not do (beam
+    search, several return sequences, another assistant, a static cache, ...) runs as plain generate() after one
+    `DartFallbackWarning` naming the reason. `generate(dart_head=False)` is plain generate() for one call; an
+    explicit `dart_head=` keeps DART's errors. A head must fit the model (checked here). The class keeps its name
+    (pipelines and logging look at it).
     """
+    if head is not None and head is not False and not isinstance(head, Drafter):
+        raise TypeError(f"head must be a dart_core.DartHead or ModelFreeDrafter (or None / False), got "
+                        f"{type(head).__name__}")
+    store = _store(store)
+    if head is None:
+        head = ModelFreeDrafter()
+    if head is not False:
+        from dart_hf.target import plan_for
+
+        plan_for(model, head)
+        options = DartOptions(head, ngram, tree_config)  # every refusal before the model changes
     cls = type(model)
     if not issubclass(cls, DartGenerationMixin):
         sub = _SUBCLASSES.get(cls)
@@ -222,11 +279,17 @@ def enable(model, head: Optional[DartHead] = None, *, ngram=None, tree_config: O
                                                                   ENABLED_MARKER: cls})
             _SUBCLASSES[cls] = sub
         model.__class__ = sub
-    if head is not None:
-        from dart_hf.target import plan_for
-
-        if not isinstance(head, DartHead):
-            raise TypeError(f"head must be a dart_core.DartHead, got {type(head).__name__}")
-        plan_for(model, head)
-        model._dart_attached = DartOptions(head, ngram, tree_config)
+    model._dart_store = store
+    model._dart_attached = None if head is False else options
     return model
+
+
+def _store(store) -> Optional[OutputStore]:
+    """`enable`'s `store` argument as a store or None; DartInputError for a cap that is not a positive size."""
+    if store is True:
+        return OutputStore()
+    if store is False or store is None:
+        return None
+    if isinstance(store, OutputStore):
+        return store
+    return OutputStore(check_store_cap(store))

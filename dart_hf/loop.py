@@ -14,9 +14,10 @@ from typing import Optional, Protocol
 
 import torch
 
-from dart_core import DartHead, DraftTreeBatch, TreeConfig, draft_context_length, verify_greedy, verify_tree
+from dart_core import DartHead, DraftTreeBatch, Drafter, OutputStore, TreeConfig, draft_context_length, verify_greedy, verify_tree
 from dart_runtime.cuda_graph import cached_graph
-from dart_core.context import SOURCE_CONTEXT, SOURCE_HEAD, ContextDrafter, ContextProposals
+from dart_core.context import SOURCE_HEAD, SOURCE_NGRAM, SOURCE_STORE, ContextDrafter, ContextProposals
+from dart_core.model_free import check_model_free_tree
 from dart_core.errors import DartInputError
 from dart_core.head import id_outside_vocab
 from dart_runtime.matmul import few_row_linears
@@ -27,8 +28,8 @@ from dart_hf.compat import cache_from_caller, supports_logits_to_keep
 from dart_hf.processors import processor_refusal, row_processor
 from dart_hf.stopping import Stopper, pad_token
 from dart_hf.target import (AttentionLayout, TargetPlan, attention_layout, check_architecture, check_attention,
-                            check_cache, crop_cache, keep_accepted_path, plan_for, prompt_positions, sliding_dropped,
-                            tapped_hidden_states, tree_attention_mask, tree_forward, tree_forwards, tree_settings,
+                            check_cache, crop_cache, hidden_state_request, keep_accepted_path, plan_for,
+                            prompt_positions, sliding_dropped, tapped_hidden_states, tree_attention_mask, tree_forward, tree_forwards, tree_settings,
                             whole_sliding_layers)
 
 
@@ -50,8 +51,10 @@ class DartStats:
         measure plain decoding or to finish a call plain, `dart_hf.controller`).
     tree_nodes: the largest tree drafted (nodes, the root included).
     accepted_head, accepted_context, accepted_both: accepted draft tokens whose node the head's search proposed
-        alone, the row's own context alone (`generate(..., dart_context_draft=True)`, docs/DESIGN.md §2.6), or
-        both; they sum to the accepted draft tokens of the tree loop's steps.
+        alone, the model-free sources alone (the row's own context, earlier outputs or the n-gram table;
+        docs/DESIGN.md §2.6-2.7), or both; they sum to the accepted draft tokens of the tree loop's steps.
+    accepted_store, accepted_ngram: of those, the tokens whose node an earlier output (`OutputStore`) proposed, and
+        those the n-gram table proposed (model-free drafting where nothing else matched).
     accepted_ranks: for each entry of `accepted_lengths`, the selection rank of each accepted node
         (`dart_core.tree.score_ranks`: 0-based position among the tree's draft nodes by score). A tree of R nodes
         built from the same candidates holds exactly the nodes of rank < R, so under greedy decoding it would have
@@ -80,6 +83,8 @@ class DartStats:
     accepted_head: int = 0
     accepted_context: int = 0
     accepted_both: int = 0
+    accepted_store: int = 0
+    accepted_ngram: int = 0
     setup_time: float = 0.0
     prefill_time: float = 0.0
     first_draft_time: float = 0.0
@@ -216,22 +221,25 @@ class NotApplicable(DartInputError):
 
 @dataclasses.dataclass(frozen=True)
 class DartOptions:
-    """The DART settings of one generate() call (or the defaults `dart_hf.enable` attaches): the head, and optionally
-    an n-gram and tree settings that override the head's own. Each field is generate()'s `dart_<field>` argument."""
+    """The DART settings of one generate() call (or the defaults `dart_hf.enable` attaches): the drafter (a head or
+    `dart_core.ModelFreeDrafter`), and optionally an n-gram and tree settings that override its own, and the store of
+    earlier outputs it matches. Each field is generate()'s `dart_<field>` argument."""
 
-    head: DartHead
+    head: Drafter
     ngram: object = None
     tree_config: Optional[TreeConfig] = None
     sync_timing: bool = False
     cuda_graph: bool = False
     stateless_processors: bool = False  # the caller declares its own logits processors stateless (dart_hf.processors)
     context_draft: Optional[bool] = None  # the row's own context as a draft source (None: the tree settings' choice)
+    store: object = None  # an `OutputStore` of earlier outputs matched like the context; None or False: none
 
     def __post_init__(self) -> None:
         from dart_core.ngram import NGramModel
 
-        if not isinstance(self.head, DartHead):
-            raise TypeError(f"dart_head must be a dart_core.DartHead, got {type(self.head).__name__}")
+        if not isinstance(self.head, Drafter):
+            raise TypeError(f"dart_head must be a dart_core.DartHead or ModelFreeDrafter, got "
+                            f"{type(self.head).__name__}")
         if self.ngram is not None and not isinstance(self.ngram, NGramModel):
             raise TypeError(f"dart_ngram must be a dart_core.NGramModel (or None for the head's own), got "
                             f"{type(self.ngram).__name__}")
@@ -243,6 +251,16 @@ class DartOptions:
                 raise TypeError(f"dart_{name} must be True or False, got {getattr(self, name)!r}")
         if self.context_draft is not None and not isinstance(self.context_draft, bool):
             raise TypeError(f"dart_context_draft must be True, False or None, got {self.context_draft!r}")
+        if self.store is not None and self.store is not False and not isinstance(self.store, OutputStore):
+            raise TypeError(f"dart_store must be a dart_core.OutputStore or False, got {type(self.store).__name__}")
+        if not self.head.reads_hidden_states:  # model-free drafting: what it cannot serve, refused here
+            check_model_free_tree(self.tree_config)
+            if self.context_draft is False:
+                raise DartInputError("model-free drafting proposes paths from the context alone: "
+                                     "dart_context_draft=False leaves it nothing to draft")
+            if self.cuda_graph:
+                raise DartInputError("dart_cuda_graph=True replays a head's drafting pass; model-free drafting has "
+                                     "none (its trees are built on the host)")
 
     def with_call(self, asked: dict) -> "DartOptions":
         """These settings with a call's `dart_*` arguments (`asked`, without `dart_head`) taking precedence."""
@@ -383,13 +401,19 @@ def _start(call: Call) -> "Run":
     context = None
     if tree_config.context_draft:  # each row's prompt without its padding; the first new token joins at `emit`
         mask = prepared.attention_mask.bool()
-        context = ContextDrafter([ids[keep] for ids, keep in zip(input_ids, mask)], tree_config)
+        context = head.context_drafter([ids[keep] for ids, keep in zip(input_ids, mask)], tree_config,
+                                       _store_of(call.options), ngram)
     run = Run(call, prepared, input_ids, tree_config, ngram, graphs, draft_context_length(ngram), verifier,
               Stopper(input_ids, call.stopping_criteria, config, scores), stats, scores,
               [] if call.want_logits else None, context=context)
     if call.streamer is not None:
         call.streamer.put(input_ids.cpu())
     return run
+
+
+def _store_of(options: DartOptions) -> Optional[OutputStore]:
+    """The call's store of earlier outputs (None: none)."""
+    return options.store if isinstance(options.store, OutputStore) else None
 
 
 @dataclasses.dataclass
@@ -453,12 +477,12 @@ class Run:
         if size == 0:
             return (*root_trees(batch.contexts[:, -1:]), step, 0)
         tree_config = dataclasses.replace(self.tree_config, remain_total=size)
-        proposals = None if self.context is None else self.context.propose(batch.contexts.device)
+        proposals = None if self.context is None else self.context.propose(batch.contexts.device, budget=size)
         trees, ancestors = draft(self.call.options.head, self.search(tree_config), step, head_cache, batch,
                                  tree_config, self.graphs, self.stats, proposals)
         consumed = dataclasses.replace(step, aux_rows=step.aux_rows[:, :0], head_ids=step.head_ids[:, :0],
                                        head_lengths=torch.zeros_like(step.head_lengths))
-        return trees, ancestors, consumed, size
+        return trees, ancestors, consumed, size if trees.num_nodes > 1 else 0  # nothing proposed: a plain step
 
     def search(self, tree_config: TreeConfig):
         """The tree search with `tree_config` (replayed from a CUDA graph kept with the head where `graphs`)."""
@@ -661,6 +685,8 @@ def prompt_rows(model, plan: TargetPlan, prefix: torch.Tensor) -> torch.Tensor:
     rows of a cache that carries no head state."""
     from transformers import DynamicCache
 
+    if not plan.layer_ids:  # a drafter that reads no hidden states: no forward
+        return tapped_hidden_states(None, (), prefix)
     out = model(input_ids=prefix, past_key_values=DynamicCache(config=model.config), use_cache=True,
                 output_hidden_states=list(plan.layer_ids), **_last_logits_only(model))
     return tapped_hidden_states(out, plan.layer_ids)
@@ -687,7 +713,7 @@ def prefill(verifier: _Verifier, head: DartHead, input_ids: torch.Tensor, attent
     padded = not bool(attention_mask.all())
     out = model(input_ids=input_ids[:, past:], attention_mask=attention_mask if padded else None,
                 position_ids=positions[:, past:], past_key_values=verifier.cache,
-                use_cache=True, output_hidden_states=list(plan.layer_ids), **_last_logits_only(model))
+                use_cache=True, output_hidden_states=hidden_state_request(plan.layer_ids), **_last_logits_only(model))
     logits = out.logits[:, -1:].float()  # [B, 1, V]
     roots, ancestors = root_trees(input_ids[:, -1:])
     first = verifier.accept(roots, logits, ancestors, list(input_ids.split(1)), list(range(b))).bonus  # [B]
@@ -696,7 +722,7 @@ def prefill(verifier: _Verifier, head: DartHead, input_ids: torch.Tensor, attent
     rows = int(real.max())
     index = (t - past - real[:, None] + torch.arange(rows, device=device)).clamp(max=t - past - 1)  # [B, R]
     shifted = torch.cat((input_ids[:, past + 1:], first[:, None]), dim=1)  # [B, T-past] column c: the token after c
-    aux = tapped_hidden_states(out, plan.layer_ids)
+    aux = tapped_hidden_states(out, plan.layer_ids, input_ids[:, past:])
     aux_rows, head_ids = aux.gather(1, index[..., None].expand(-1, -1, aux.shape[-1])), shifted.gather(1, index)
     head_lengths = real
     if past:  # batch size 1: the rows from the head's last consumed one up to the cache's end come first
@@ -787,13 +813,13 @@ def verify_step(verifier: _Verifier, trees: DraftTreeBatch, ancestors: torch.Ten
     paths = verifier.accept(trees, logits, ancestors, sequences, batch.rows)
     d = paths.ranks.shape[1]
     sources = source_counts(trees, paths.nodes, paths.accept_length)  # [B, 3]
-    # the step's one synchronisation: per row [a, ranks (d), nodes (d+1), tokens (d+1), bonus, sources (3)]
+    # the step's one synchronisation: per row [a, ranks (d), nodes (d+1), tokens (d+1), bonus, sources (5)]
     host = torch.cat((paths.accept_length[:, None], paths.ranks, paths.nodes, paths.tokens, paths.bonus[:, None],
                       sources), dim=1).tolist()
     accepted = [row[0] for row in host]
     ranks = [row[1 : 1 + a] for row, a in zip(host, accepted)]
     path_nodes = [row[1 + d : 2 + d + a] for row, a in zip(host, accepted)]  # root first
-    new_tokens = [row[3 + 2 * d : 3 + 2 * d + a] + [row[-4]] for row, a in zip(host, accepted)]  # drafts, bonus
+    new_tokens = [row[3 + 2 * d : 3 + 2 * d + a] + [row[-6]] for row, a in zip(host, accepted)]  # drafts, bonus
     k = max(accepted) + 1
     t3 = stats.clock(device)
     at_front = all(nodes == list(range(len(nodes))) for nodes in path_nodes)
@@ -807,7 +833,7 @@ def verify_step(verifier: _Verifier, trees: DraftTreeBatch, ancestors: torch.Ten
     batch.root_positions = batch.root_positions + counts
     batch.contexts = torch.cat((batch.contexts, new_ids), dim=1).gather(
         1, counts[:, None] + torch.arange(batch.contexts.shape[1], device=device))
-    aux = tapped_hidden_states(out, verifier.plan.layer_ids)
+    aux = tapped_hidden_states(out, verifier.plan.layer_ids, trees.tokens)
     aux = aux.gather(1, paths.nodes[:, :k, None].expand(-1, -1, aux.shape[-1]))  # [B, k, 3*Ht]
     step = Step(new_tokens, new_ids, paths.nodes[:, :k], logits,
                 merge_rows(pending.aux_rows, pending.head_lengths, aux, counts),
@@ -816,9 +842,9 @@ def verify_step(verifier: _Verifier, trees: DraftTreeBatch, ancestors: torch.Ten
         stats.accepted_lengths += accepted
         stats.batch_rows += batch.rows
         stats.accepted_ranks += ranks
-        stats.accepted_head += sum(row[-3] for row in host)
-        stats.accepted_context += sum(row[-2] for row in host)
-        stats.accepted_both += sum(row[-1] for row in host)
+        for i, name in enumerate(("head", "context", "both", "store", "ngram")):
+            field = f"accepted_{name}"
+            setattr(stats, field, getattr(stats, field) + sum(row[len(row) - 5 + i] for row in host))
     stats.forwards += 1
     stats.mask_time += t1 - t0
     stats.target_time += t2 - t1
@@ -829,12 +855,15 @@ def verify_step(verifier: _Verifier, trees: DraftTreeBatch, ancestors: torch.Ten
 
 
 def source_counts(trees: DraftTreeBatch, nodes: torch.Tensor, accept_length: torch.Tensor) -> torch.Tensor:
-    """Per row, its accepted draft tokens proposed by the head's search alone, by the context alone and by both
-    (`DraftTreeBatch.sources`) -> [B, 3] int64. nodes [B, d+1] the accepted path, root first; accept_length [B]."""
+    """Per row, its accepted draft tokens proposed by the head's search alone, by the model-free sources alone
+    (context, store, n-gram), by both, and of all those, by the store and by the n-gram table
+    (`DraftTreeBatch.sources`) -> [B, 5] int64. nodes [B, d+1] the accepted path, root first; accept_length [B]."""
     accepted = nodes[:, 1:]
     source = trees.sources.gather(1, accepted)  # [B, d]
     real = torch.arange(accepted.shape[1], device=nodes.device) < accept_length[:, None]
-    kinds = torch.stack((source == SOURCE_HEAD, source == SOURCE_CONTEXT, source == SOURCE_HEAD | SOURCE_CONTEXT), -1)
+    head, other = (source & SOURCE_HEAD) != 0, (source & ~SOURCE_HEAD) != 0
+    kinds = torch.stack((head & ~other, other & ~head, head & other, (source & SOURCE_STORE) != 0,
+                         (source & SOURCE_NGRAM) != 0), -1)
     return (kinds & real[..., None]).sum(dim=1)
 
 

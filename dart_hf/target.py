@@ -12,7 +12,7 @@ from typing import Iterator, Optional
 import torch
 import torch.nn.functional as F
 
-from dart_core import DartHead, TreeConfig
+from dart_core import Drafter, TreeConfig
 from dart_core.errors import DartInputError
 from dart_core.fit import TargetShape, check_fits
 from dart_core.head_math import additive_mask
@@ -30,8 +30,9 @@ class TargetPlan:
     layer_ids: tuple[int, ...]  # HF `hidden_states` indices of the taps (0 = embedding output)
 
 
-def plan_for(model, head: DartHead, tokenizer=None) -> TargetPlan:
-    """Check that `head` fits `model` (and `tokenizer`) and share the target embedding with the head.
+def plan_for(model, head: Drafter, tokenizer=None) -> TargetPlan:
+    """Check that `head` fits `model` (and `tokenizer`) and share the target embedding with a head that reads hidden
+    states; a drafter that reads none taps no layer.
 
     Raises ValueError naming every mismatch and its numbers (`dart_core.fit`).
     """
@@ -40,14 +41,16 @@ def plan_for(model, head: DartHead, tokenizer=None) -> TargetPlan:
         raise DartInputError("DART needs a decoder-only causal LM; got an encoder-decoder model")
     embedding = model.get_input_embeddings()
     vocab, width = (int(n) for n in embedding.weight.shape)
+    if tokenizer is not None and len(tokenizer) > vocab:
+        raise DartInputError(f"tokenizer has {len(tokenizer)} tokens, more than the target vocabulary ({vocab})")
+    if not head.reads_hidden_states:
+        return TargetPlan(layer_ids=())
     if width != int(cfg.hidden_size):
         raise DartInputError(f"{type(model).__name__} embeds tokens in {width} dimensions and its hidden states have "
                              f"{cfg.hidden_size}: a DART head shares the target's embedding table, which needs the two "
                              "equal")
     shape = TargetShape(int(cfg.hidden_size), vocab, int(cfg.num_hidden_layers), f"the target {type(model).__name__}")
     layer_ids = check_fits(head.config, head.d2t, shape)
-    if tokenizer is not None and len(tokenizer) > vocab:
-        raise DartInputError(f"tokenizer has {len(tokenizer)} tokens, more than the target vocabulary ({vocab})")
     if head.get_input_embeddings() is not embedding:
         head.set_input_embeddings(embedding)
     return TargetPlan(layer_ids=tuple(layer_ids))
@@ -247,9 +250,17 @@ def crop_cache(cache, tokens: int) -> None:
                 layer.cumulative_length -= tokens
 
 
-def tapped_hidden_states(outputs, layer_ids: tuple[int, ...]) -> torch.Tensor:
-    """[B, T, 3*H] concatenation of the target's hidden states at the taps."""
+def tapped_hidden_states(outputs, layer_ids: tuple[int, ...], ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """[B, T, 3*H] concatenation of the target's hidden states at the taps; without taps, [B, T, 0] rows shaped as
+    the forward's input `ids` [B, T] (a drafter that reads no hidden states)."""
+    if not layer_ids:
+        return torch.zeros(*ids.shape, 0, device=ids.device)
     return torch.cat([outputs.hidden_states[i] for i in layer_ids], dim=-1)
+
+
+def hidden_state_request(layer_ids: tuple[int, ...]):
+    """A forward's `output_hidden_states` for the taps: those layers, or False without taps."""
+    return list(layer_ids) if layer_ids else False
 
 
 def tree_attention_mask(ancestors: torch.Tensor, columns: torch.Tensor, dtype: torch.dtype,
@@ -288,7 +299,7 @@ def tree_forward(model, node_ids: torch.Tensor, positions: torch.Tensor, mask: t
     [B, 1, N, past+N] -> the model output (logits [B, N, V], hidden states at `layer_ids`). Run inside
     `tree_forwards(model)` for the faster kernels."""
     return model(input_ids=node_ids, position_ids=positions, attention_mask=mask, past_key_values=cache,
-                 use_cache=True, output_hidden_states=list(layer_ids))
+                 use_cache=True, output_hidden_states=hidden_state_request(layer_ids))
 
 
 @contextlib.contextmanager
@@ -414,7 +425,7 @@ def keep_accepted_path(cache, past_len: int, paths: torch.Tensor, at_front: bool
         layer.keys, layer.values = layer.keys[..., :stop, :], layer.values[..., :stop, :]
 
 
-def tree_settings(head: DartHead, generation_config, override: Optional[TreeConfig] = None,
+def tree_settings(head: Drafter, generation_config, override: Optional[TreeConfig] = None,
                   context_draft: Optional[bool] = None) -> TreeConfig:
     """The tree settings a generate() call searches with (the one place that decides them): `override`, else the
     head's own, else the reference's; context drafting as `context_drafting` decides; the EOS the search orders by
@@ -427,7 +438,7 @@ def tree_settings(head: DartHead, generation_config, override: Optional[TreeConf
     return base if eos is None or eos == base.eos_token_id else dataclasses.replace(base, eos_token_id=eos)
 
 
-def context_drafting(head: DartHead, override: Optional[TreeConfig] = None,
+def context_drafting(head: Drafter, override: Optional[TreeConfig] = None,
                      context_draft: Optional[bool] = None) -> bool:
     """Whether a call drafts from the row's own context (docs/DESIGN.md §2.6): never for a head whose trees are its
     own expansion's (`Eagle3Head`); else the call's `dart_context_draft`, else its tree settings' `context_draft`,

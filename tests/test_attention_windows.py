@@ -91,7 +91,7 @@ def test_the_issue_example_decodes_as_plain_without_a_warning():
     """Mistral, sliding_window=2, layer_types all full: DART departed from plain at the 4th new token."""
     model = build("mistral", 2, "all full")
     plain = model.generate(PROMPT, max_new_tokens=16, do_sample=False)
-    dart_hf.enable(model)
+    dart_hf.enable(model, False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         out = model.generate(PROMPT, max_new_tokens=16, do_sample=False, dart_tree_config=TreeConfig(),

@@ -25,7 +25,7 @@ BENCHMARKS = REPO / "benchmarks"
 
 @pytest.fixture(scope="module")
 def tiny_bench():
-    model = dart_hf.enable(tiny_target(seed=6))
+    model = dart_hf.enable(tiny_target(seed=6), False)
     dart = random_head(model, draft_length=3).eval()
     eagle = Eagle3Head.from_dart_head(random_head(model, draft_length=3, seed=2)).eval()
     sets = {"a": [[1, 2, 3, 4, 5]], "b": [[7, 8, 9], [10, 11, 12, 13]]}

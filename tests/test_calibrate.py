@@ -60,7 +60,7 @@ def test_tree_of_r_nodes_is_the_best_r_by_score_rank(seed):
 
 
 def test_decoding_records_accepted_ranks():
-    model = dart_hf.enable(tiny_target())
+    model = dart_hf.enable(tiny_target(), False)
     plain = model.generate(PROMPT, max_new_tokens=40, do_sample=False)
     head = oracle_head(model, plain[0], wrong_every=5)
     out = model.generate(PROMPT, max_new_tokens=32, do_sample=False, dart_head=head,
@@ -80,7 +80,7 @@ def test_decoding_records_accepted_ranks():
 def test_tau_of_smaller_trees_is_exact_per_step(kind, context_draft):
     """The claim: from every state of a greedy R_max=60 run, a real run with remain_total=R accepts exactly the
     leading accepted nodes of rank < R. Each state is rebuilt by decoding from the prefix before its root."""
-    model = dart_hf.enable(tiny_target())
+    model = dart_hf.enable(tiny_target(), False)
     new_tokens = 24
     plain = model.generate(PROMPT, max_new_tokens=new_tokens + 12, do_sample=False)
     head = random_head(model) if kind == "random" else oracle_head(model, plain[0], wrong_every=int(kind[-1]))
@@ -130,7 +130,7 @@ SMALL_COST = dict(context_length=32, repeats=1, progress=False)
 
 
 def test_acceptance_curve_ships_in_the_head_directory(tmp_path):
-    model = dart_hf.enable(tiny_target())
+    model = dart_hf.enable(tiny_target(), False)
     plain = model.generate(PROMPT, max_new_tokens=30, do_sample=False)
     head = oracle_head(model, plain[0], wrong_every=3)
     curve = measure_acceptance(model, None, head, [PROMPT], **SMALL_CURVE)
@@ -157,7 +157,7 @@ def test_the_acceptance_curve_is_not_measured_on_the_demo_prompt():
 # ---- the first-call machine cost and its cache ------------------------------------------------------------------
 
 def test_the_machine_cost_is_measured_once_and_cached_by_dtype_and_threads(cache_root, monkeypatch, capsys):
-    model = dart_hf.enable(tiny_target())
+    model = dart_hf.enable(tiny_target(), False)
     head = random_head(model)
     head.acceptance = AcceptanceCurve(tau={1: 1.5, 4: 1.9, 16: 2.2}, steps=5, new_tokens=9, prompts=1)
     measured = []
@@ -195,7 +195,7 @@ def test_the_machine_cost_is_measured_once_and_cached_by_dtype_and_threads(cache
 def test_the_timing_run_decodes_its_full_length_whatever_the_eos(cache_root):
     """A target whose first greedy token on the timing run's random ids is its EOS (as Gemma-3 and Qwen2.5 do) still
     gets a full timing run: the head, search and rest times are measured, never 0 from a run without steps."""
-    model = dart_hf.enable(tiny_target())
+    model = dart_hf.enable(tiny_target(), False)
     prompt = torch.randint(0, 96, (1, 16), generator=torch.Generator().manual_seed(0))
     first = int(model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=1,
                                do_sample=False)[0, -1])
@@ -208,7 +208,7 @@ def test_the_timing_run_decodes_its_full_length_whatever_the_eos(cache_root):
 def test_a_timing_run_without_enough_steps_is_an_error_never_a_cached_zero(cache_root, monkeypatch):
     from dart_hf.loop import DartStats
 
-    model = dart_hf.enable(tiny_target())
+    model = dart_hf.enable(tiny_target(), False)
     head = random_head(model)
     monkeypatch.setattr(calibrate_module, "acceptance_run", lambda *args, **kwargs: DartStats())
     with pytest.raises(DartInputError, match="the timing run made 0 verify steps"):
@@ -252,7 +252,7 @@ def test_an_implausible_cost_entry_is_refused_by_name(name):
 
 @pytest.mark.parametrize("name", ["null", "all zero", "plain string", "verify zero", "rest nan", "not json"])
 def test_a_bad_cache_entry_is_ignored_with_a_warning_and_generate_measures_again(cache_root, name):
-    model = dart_hf.enable(tiny_target())
+    model = dart_hf.enable(tiny_target(), False)
     head = random_head(model)
     head.acceptance = AcceptanceCurve(tau={1: 1.5, 4: 1.9}, steps=5, new_tokens=9, prompts=1)
     path = calibrate_module.cost_path(calibrate_module.identity(model, head))
@@ -287,7 +287,7 @@ def test_a_cache_that_cannot_be_written_never_fails_generate(tmp_path, monkeypat
     again), output exactly plain's, for attached heads and dart_head= alike."""
     root = _unwritable(kind, tmp_path)
     monkeypatch.setenv("DART_SPEC_CACHE", str(root))
-    model = dart_hf.enable(tiny_target())
+    model = dart_hf.enable(tiny_target(), False)
     head = random_head(model, seed=7)
     head.acceptance = AcceptanceCurve(tau={1: 1.5, 4: 1.9}, steps=5, new_tokens=9, prompts=1)
     if kind == "directory where the file belongs":

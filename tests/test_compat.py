@@ -77,7 +77,7 @@ def test_overridden_generate_steps_keep_their_parameters(name):
 
 
 def test_hidden_state_capture_hooks():
-    model = dart_hf.enable(tiny_target())
+    model = dart_hf.enable(tiny_target(), False)
     model.generate(PROMPT, max_new_tokens=4, dart_head=random_head(model))
     assert any(getattr(m, compat.CAPTURE_HOOKS_FLAG, False) for m in model.modules())
     hooks = [h for m in model.modules() for h in m._forward_hooks.values()]

@@ -26,7 +26,7 @@ def trie_of(row: ContextRow, cfg: TreeConfig) -> dict:
     """{token path: score} of a row's context entries, rebuilt from (token, parent, depth, score)."""
     entries = row.paths(cfg)
     paths = []
-    for token, parent, depth, _ in entries:
+    for token, parent, depth, _, _ in entries:
         paths.append((paths[parent] if parent >= 0 else ()) + (token,))
         assert len(paths[-1]) == depth
     return {p: e[3] for p, e in zip(paths, entries)}

@@ -438,7 +438,7 @@ def slow_drafts(head, seconds: float):
 
 def test_an_attached_head_that_cannot_pay_finishes_plain_with_one_warning(tmp_path, monkeypatch):
     monkeypatch.setenv("DART_SPEC_CACHE", str(tmp_path))
-    model = dart_hf.enable(tiny_target())
+    model = dart_hf.enable(tiny_target(), False)
     plain = model.generate(PROMPT, max_new_tokens=40, do_sample=False)
     head = slow_drafts(oracle_head(model, plain[0], wrong_every=2), 0.05)  # 50 ms a draft, ~5 ms a plain step
     attached = dart_hf.enable(tiny_target(), head)

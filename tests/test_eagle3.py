@@ -145,7 +145,7 @@ def test_select_draft_tree_keeps_the_best_nodes_parents_first():
 def test_greedy_with_the_eagle3_drafter_equals_plain_greedy(draft_vocab, topk, nodes, depth):
     from dart_core import TreeConfig
 
-    target = dart_hf.enable(tiny_target(seed=4))
+    target = dart_hf.enable(tiny_target(seed=4), False)
     head = _eagle3(target, draft_length=3, draft_vocab=draft_vocab)
     prompt = torch.randint(0, 96, (1, 7), generator=torch.Generator().manual_seed(1))
     kw = dict(attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=40)
@@ -161,7 +161,7 @@ def test_eagle3_drafter_of_the_right_tokens_is_accepted():
     """A drafter whose every level is forced to the target's continuation gets whole chains accepted."""
     from dart_core import TreeConfig
 
-    target = dart_hf.enable(tiny_target(seed=5))
+    target = dart_hf.enable(tiny_target(seed=5), False)
     prompt_len = 6
     prompt = torch.randint(0, 96, (1, prompt_len), generator=torch.Generator().manual_seed(2))
     kw = dict(attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=24)
@@ -201,7 +201,7 @@ def test_save_load_round_trip_and_refusals(tmp_path):
     random_head(target).save_pretrained(tmp_path / "dart")
     with pytest.raises(ValueError, match="not an EAGLE3-style drafter"):
         Eagle3Head.from_pretrained(tmp_path / "dart")
-    model = dart_hf.enable(target)
+    model = dart_hf.enable(target, False)
     prompt = torch.tensor([[1, 2, 3]])
     # the assisted loop takes every drafter through the same interface (its best full-depth path) and stays exact
     common = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=12, do_sample=False)

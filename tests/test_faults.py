@@ -368,7 +368,7 @@ def test_token_ids_outside_the_vocabulary_are_refused_by_the_head():
 
 
 def test_token_ids_outside_the_vocabulary_are_refused_before_decoding():
-    target = dart_hf.enable(tiny_target())
+    target = dart_hf.enable(tiny_target(), False)
     head = random_head(target)
     for bad in (96, -1):
         ids = torch.tensor([[1, 2, bad]])
@@ -491,7 +491,7 @@ def test_a_failed_swap_puts_the_old_directory_back(tmp_path, monkeypatch):
 
 # ---- plain generate()'s behaviour where DART used to raise ------------------------------------------------------
 def test_a_float_attention_mask_is_taken_as_plain_generate_takes_it():
-    model = dart_hf.enable(tiny_target())
+    model = dart_hf.enable(tiny_target(), False)
     ids = torch.tensor([[0, 0, 5, 6, 7], [1, 2, 3, 4, 5]])
     mask = torch.tensor([[0.0, 0.0, 1.0, 1.0, 1.0], [1.0] * 5])
     kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
@@ -501,7 +501,7 @@ def test_a_float_attention_mask_is_taken_as_plain_generate_takes_it():
 def test_stop_strings_in_the_models_generation_config_with_a_tokenizer():
     from hf_models import char_tokenizer
 
-    model = dart_hf.enable(tiny_target())
+    model = dart_hf.enable(tiny_target(), False)
     tokenizer = char_tokenizer()
     prompt = torch.tensor([[5, 17, 33, 2, 9, 41, 12]])
     free = model.generate(prompt, max_new_tokens=16, do_sample=False)
@@ -513,7 +513,7 @@ def test_stop_strings_in_the_models_generation_config_with_a_tokenizer():
 
 
 def test_inputs_embeds_are_named_as_unsupported():
-    model = dart_hf.enable(tiny_target())
+    model = dart_hf.enable(tiny_target(), False)
     embeds = model.get_input_embeddings()(torch.tensor([[5, 17, 33]]))
     with pytest.raises(DartInputError, match="inputs_embeds is not supported"):
         model.generate(inputs_embeds=embeds, max_new_tokens=4, dart_head=random_head(model))

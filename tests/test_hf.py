@@ -18,7 +18,7 @@ PROMPTS = [torch.tensor([[5, 17, 33, 2, 9, 41, 12]]), torch.tensor([[60, 61, 62]
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_greedy_identical_to_plain_generate(arch, attn):
-    model = dart_hf.enable(tiny_target(arch, attn))
+    model = dart_hf.enable(tiny_target(arch, attn), False)
     for prompt in PROMPTS:
         plain = model.generate(prompt, max_new_tokens=24, do_sample=False)
         random_out = model.generate(prompt, max_new_tokens=24, do_sample=False, dart_head=random_head(model))
@@ -32,7 +32,7 @@ def test_greedy_identical_to_plain_generate(arch, attn):
 def test_max_depth_limits_the_tree_levels():
     from dart_core import TreeConfig
 
-    model = dart_hf.enable(tiny_target())
+    model = dart_hf.enable(tiny_target(), False)
     plain = model.generate(PROMPTS[0], max_new_tokens=24, do_sample=False)
     good = oracle_head(model, plain[0])  # D=4: whole 4-token blocks would be accepted
     out = model.generate(PROMPTS[0], max_new_tokens=24, do_sample=False, dart_head=good,
@@ -44,14 +44,14 @@ def test_max_depth_limits_the_tree_levels():
 
 
 def test_draft_vocab_smaller_than_target_vocab():
-    model = dart_hf.enable(tiny_target())
+    model = dart_hf.enable(tiny_target(), False)
     plain = model.generate(PROMPTS[0], max_new_tokens=16, do_sample=False)
     head = random_head(model, draft_vocab=40)
     assert torch.equal(model.generate(PROMPTS[0], max_new_tokens=16, do_sample=False, dart_head=head), plain)
 
 
 def test_assistant_model_route_uses_the_stock_loop_and_is_identical():
-    model = dart_hf.enable(tiny_target())
+    model = dart_hf.enable(tiny_target(), False)
     plain = model.generate(PROMPTS[0], max_new_tokens=20, do_sample=False)
     assert torch.equal(model.generate(PROMPTS[0], max_new_tokens=20, do_sample=False,
                                       assistant_model=random_head(model)), plain)
@@ -70,7 +70,7 @@ def test_custom_generate_callable_on_a_model_that_is_not_enabled():
 
 @pytest.mark.parametrize("new_tokens", [1, 2, 5, 9])
 def test_max_new_tokens_and_max_length_exact_inside_accepted_blocks(new_tokens):
-    model = dart_hf.enable(tiny_target())
+    model = dart_hf.enable(tiny_target(), False)
     plain = model.generate(PROMPTS[0], max_new_tokens=new_tokens, do_sample=False)
     head = oracle_head(model, model.generate(PROMPTS[0], max_new_tokens=30, do_sample=False)[0])
     out = model.generate(PROMPTS[0], max_new_tokens=new_tokens, do_sample=False, dart_head=head)
@@ -81,7 +81,7 @@ def test_max_new_tokens_and_max_length_exact_inside_accepted_blocks(new_tokens):
 
 @pytest.mark.parametrize("eos_kind", ["single", "list"])
 def test_eos_inside_an_accepted_block(eos_kind):
-    model = dart_hf.enable(tiny_target())
+    model = dart_hf.enable(tiny_target(), False)
     prompt = PROMPTS[0]
     full = model.generate(prompt, max_new_tokens=30, do_sample=False)[0]
     continuation = full[prompt.shape[1]:].tolist()
@@ -104,7 +104,7 @@ class EndsWith(StoppingCriteria):
 
 
 def test_custom_stopping_criteria_checked_on_every_accepted_prefix():
-    model = dart_hf.enable(tiny_target())
+    model = dart_hf.enable(tiny_target(), False)
     prompt = PROMPTS[0]
     full = model.generate(prompt, max_new_tokens=30, do_sample=False)[0]
     stop = full[prompt.shape[1] + 7].item()
@@ -139,7 +139,7 @@ class RecordingStreamer(BaseStreamer):
 
 
 def test_streamer_gets_prompt_then_accepted_blocks():
-    model = dart_hf.enable(tiny_target())
+    model = dart_hf.enable(tiny_target(), False)
     prompt = PROMPTS[0]
     plain = model.generate(prompt, max_new_tokens=20, do_sample=False)
     streamer = RecordingStreamer()
@@ -152,7 +152,7 @@ def test_streamer_gets_prompt_then_accepted_blocks():
 
 
 def test_return_dict_with_scores_logits_and_stats():
-    model = dart_hf.enable(tiny_target())
+    model = dart_hf.enable(tiny_target(), False)
     prompt = PROMPTS[1]
     kwargs = dict(max_new_tokens=10, do_sample=False, return_dict_in_generate=True, output_scores=True,
                   output_logits=True, repetition_penalty=1.3)
@@ -172,7 +172,7 @@ def test_return_dict_with_scores_logits_and_stats():
 @pytest.mark.parametrize("processors", [dict(repetition_penalty=1.4), dict(no_repeat_ngram_size=2),
                                         dict(min_new_tokens=6, eos_token_id=3)])
 def test_greedy_with_prefix_dependent_processors(processors):
-    model = dart_hf.enable(tiny_target())
+    model = dart_hf.enable(tiny_target(), False)
     for prompt in PROMPTS:
         plain = model.generate(prompt, max_new_tokens=16, do_sample=False, **processors)
         out = model.generate(prompt, max_new_tokens=16, do_sample=False, dart_head=random_head(model), **processors)
@@ -236,7 +236,7 @@ def lossy_verify(trees, logits, context_ids=None, logits_processor=None, do_samp
 
 
 def test_sampling_keeps_the_target_distribution_and_a_lossy_control_fails(monkeypatch):
-    model = dart_hf.enable(tiny_target(vocab=8, layers=4, hidden=16, seed=3))
+    model = dart_hf.enable(tiny_target(vocab=8, layers=4, hidden=16, seed=3), False)
     exact = exact_two_token_distribution(model, SAMPLING_PROMPT).flatten()
     greedy = model.generate(SAMPLING_PROMPT, max_new_tokens=3, do_sample=False)[0]
     head = oracle_head(model, greedy, draft_length=2)  # drafts the likeliest tokens: acceptance happens often
@@ -252,7 +252,7 @@ def test_sampling_keeps_the_target_distribution_and_a_lossy_control_fails(monkey
 # ---- bad input --------------------------------------------------------------------------------------------------
 
 def test_bad_input_fails_before_any_work():
-    model = dart_hf.enable(tiny_target())
+    model = dart_hf.enable(tiny_target(), False)
     head = random_head(model)
     pair = torch.tensor([[1, 2, 3], [4, 5, 6]])
     with pytest.raises(ValueError, match="row 1 has padding after a token: DART needs left padding"):
@@ -277,17 +277,17 @@ def test_bad_input_fails_before_any_work():
 
     other = tiny_target(hidden=48)
     with pytest.raises(ValueError, match="target hidden_size 48 != head target_hidden_size 32"):
-        dart_hf.enable(other).generate(PROMPTS[0], max_new_tokens=4, dart_head=random_head(model))
+        dart_hf.enable(other, False).generate(PROMPTS[0], max_new_tokens=4, dart_head=random_head(model))
     with pytest.raises(ValueError, match="target vocab_size 80 != head vocab_size 96"):
-        dart_hf.enable(tiny_target(vocab=80)).generate(PROMPTS[0], max_new_tokens=4, dart_head=random_head(model))
+        dart_hf.enable(tiny_target(vocab=80), False).generate(PROMPTS[0], max_new_tokens=4, dart_head=random_head(model))
     shallow = tiny_target(layers=4)
     deep_head = random_head(tiny_target(layers=12))
     with pytest.raises(ValueError, match="num_hidden_layers 4 is too few for taps"):
-        dart_hf.enable(shallow).generate(PROMPTS[0], max_new_tokens=4, dart_head=deep_head)
+        dart_hf.enable(shallow, False).generate(PROMPTS[0], max_new_tokens=4, dart_head=deep_head)
 
 
 def test_flash_attention_is_refused_with_a_hint():
-    model = dart_hf.enable(tiny_target())
+    model = dart_hf.enable(tiny_target(), False)
     model.config._attn_implementation = "flash_attention_2"
     with pytest.raises(ValueError, match="attn_implementation='sdpa'"):
         model.generate(PROMPTS[0], max_new_tokens=4, dart_head=random_head(model))
@@ -296,13 +296,13 @@ def test_flash_attention_is_refused_with_a_hint():
 def test_enable_keeps_the_class_name_and_is_idempotent():
     model = tiny_target()
     name = type(model).__name__
-    assert dart_hf.enable(dart_hf.enable(model)) is model
+    assert dart_hf.enable(dart_hf.enable(model), False) is model
     assert type(model).__name__ == name and isinstance(model, dart_hf.DartGenerationMixin)
     assert math.isfinite(model.generate(PROMPTS[1], max_new_tokens=2).float().sum())
 
 
 def test_cuda_graph_flag_falls_back_to_eager_off_cuda():
-    model = dart_hf.enable(tiny_target())
+    model = dart_hf.enable(tiny_target(), False)
     plain = model.generate(PROMPTS[0], max_new_tokens=16, do_sample=False)
     with pytest.warns(UserWarning, match="dart_cuda_graph=True applies on CUDA only"):
         out = model.generate(PROMPTS[0], max_new_tokens=16, do_sample=False, dart_cuda_graph=True,
@@ -316,7 +316,7 @@ def test_one_rule_decides_the_tree_settings_and_the_calls_eos_wins(monkeypatch):
     from dart_hf import calibration, loop
     from dart_hf.target import tree_settings
 
-    model = dart_hf.enable(tiny_target())
+    model = dart_hf.enable(tiny_target(), False)
     head = random_head(model)
     head.tree_config = TreeConfig(remain_total=5, eos_token_id=3)
     model.generation_config.eos_token_id = 3

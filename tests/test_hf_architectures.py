@@ -56,7 +56,7 @@ def test_every_causal_lm_decodes_as_plain_or_is_refused_by_name(model_type):
     model = tiny_causal_lm(model_type)
     plain = model.generate(PROMPT, max_new_tokens=12, do_sample=False)
     head = oracle_head(model, plain[0], wrong_every=5)
-    dart_hf.enable(model)
+    dart_hf.enable(model, False)
     try:
         out = model.generate(PROMPT, max_new_tokens=12, do_sample=False, dart_head=head, dart_tree_config=TREE)
     except dart_hf.NotApplicable as err:
@@ -117,7 +117,7 @@ def test_sliding_window_caches_decode_as_plain(model_type, window):
     kwargs = dict(attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0)
     plain = model.generate(ids, **kwargs)
     plain_chat = chat(model)
-    dart_hf.enable(model)
+    dart_hf.enable(model, False)
     with warnings.catch_warnings():
         warnings.simplefilter("error", dart_hf.DartFallbackWarning)
         assert torch.equal(model.generate(ids, dart_head=random_head(model, seed=2), dart_tree_config=TREE, **kwargs),
@@ -132,7 +132,7 @@ def test_the_window_is_what_makes_those_outputs_equal(monkeypatch):
     """The control: tree masks without the window (each node sees the whole history) part from plain."""
     model = windowed("mistral", 3)
     plain_chat = chat(model)
-    dart_hf.enable(model)
+    dart_hf.enable(model, False)
     wide = dart_hf.target.AttentionLayout(window=10**6, by_type=False)
     monkeypatch.setattr(dart_hf.loop, "attention_layout", lambda _: wide)
     heads = [oracle_head(model, reply[0], wrong_every=3) for reply in plain_chat]

@@ -31,7 +31,7 @@ def unpadded(row: torch.Tensor, mask_row: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("lengths", [(7, 3), (2, 9, 5), (4, 11, 1, 8, 6, 3, 10, 2)])
 def test_every_row_equals_plain_generate_on_the_same_padded_batch(lengths):
-    model = dart_hf.enable(tiny_target())
+    model = dart_hf.enable(tiny_target(), False)
     ids, mask = left_padded(lengths, seed=len(lengths))
     kwargs = dict(attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=PAD)
     plain = model.generate(ids, **kwargs)
@@ -45,7 +45,7 @@ def test_every_row_equals_plain_generate_on_the_same_padded_batch(lengths):
 
 
 def test_a_row_that_stops_early_is_padded_and_leaves_the_batch():
-    model = dart_hf.enable(tiny_target())
+    model = dart_hf.enable(tiny_target(), False)
     ids, mask = left_padded((6, 4, 9), seed=7)
     full = model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=PAD)
     eos = int(full[1, ids.shape[1] + 4])  # row 1 ends at its 5th new token (or earlier)
@@ -61,7 +61,7 @@ def test_a_row_that_stops_early_is_padded_and_leaves_the_batch():
 
 
 def test_batch_of_one_with_left_padding_equals_plain():
-    model = dart_hf.enable(tiny_target())
+    model = dart_hf.enable(tiny_target(), False)
     ids, mask = left_padded((5,), seed=3)
     ids, mask = torch.cat((torch.zeros(1, 3, dtype=torch.long), ids), 1), torch.cat((torch.zeros(1, 3).long(), mask), 1)
     plain = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=PAD)
@@ -107,7 +107,7 @@ def lossy_verify(trees, logits, context_ids=None, logits_processor=None, do_samp
 
 
 def test_sampling_keeps_each_rows_distribution_and_a_lossy_control_fails(monkeypatch):
-    model = dart_hf.enable(tiny_target(vocab=8, layers=4, hidden=16, seed=3))
+    model = dart_hf.enable(tiny_target(vocab=8, layers=4, hidden=16, seed=3), False)
     ids = torch.tensor([[1, 2, 3, 4], [PAD, 5, 6, 7]])
     mask = torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]])
     exact = [exact_two_token_distribution(model, p).flatten() for p in PROMPTS]
@@ -136,7 +136,7 @@ def word_tokenizer(vocab: int) -> PreTrainedTokenizerFast:
 
 
 def test_text_generation_pipeline_with_batches():
-    model = dart_hf.enable(tiny_target())
+    model = dart_hf.enable(tiny_target(), False)
     tokenizer = word_tokenizer(model.config.vocab_size)
     texts = ["w5 w17 w33 w2", "w60 w61", "w9 w41 w12 w7 w8 w3", "w44"]
     generator = pipeline("text-generation", model=model, tokenizer=tokenizer, batch_size=4)
@@ -148,7 +148,7 @@ def test_text_generation_pipeline_with_batches():
 
 
 def test_a_stopped_row_is_padded_with_eos_when_there_is_no_pad_token():
-    model = dart_hf.enable(tiny_target())
+    model = dart_hf.enable(tiny_target(), False)
     ids, mask = left_padded((5, 8), seed=11)
     full = model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=PAD)
     eos = int(full[0, ids.shape[1] + 2])
@@ -178,7 +178,7 @@ class RowRules(LogitsProcessor):
 def test_processors_see_the_batch_as_plain_generate_shows_it(case):
     """repetition_penalty in a left-padded batch raised (the processor got one row of a batch it knew as B rows); a
     processor with per-row rules applied row 0's rule to every row; prefix_allowed_tokens_fn was refused."""
-    model = dart_hf.enable(tiny_target())
+    model = dart_hf.enable(tiny_target(), False)
     ids, mask = left_padded((5, 8, 3), seed=4)
     reference = model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=PAD)
     head = oracle_head(model, reference[1], wrong_every=4)
@@ -207,7 +207,7 @@ def test_processors_see_the_batch_as_plain_generate_shows_it(case):
 
 
 def test_a_processor_with_state_between_calls_is_refused_by_name_and_an_attached_head_runs_plain():
-    model = dart_hf.enable(tiny_target())
+    model = dart_hf.enable(tiny_target(), False)
     head = random_head(model)
     ids = torch.tensor([[5, 17, 33, 2, 9]])
     kwargs = dict(max_new_tokens=8, do_sample=False, guidance_scale=1.5)

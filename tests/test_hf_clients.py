@@ -139,7 +139,7 @@ def test_caller_position_ids_are_used_as_plain_uses_them():
     plain = model.generate(PROMPT, position_ids=positions, **kwargs)
     assert not torch.equal(plain, default)  # the control: the positions matter
     head = oracle_head(model, plain[0], wrong_every=3)
-    dart_hf.enable(model)
+    dart_hf.enable(model, False)
     assert torch.equal(model.generate(PROMPT, position_ids=positions, dart_head=head, **kwargs), plain)
     assert model.dart_stats.forwards < 12
 
@@ -250,7 +250,7 @@ def count_forwards(model):
 
 
 def test_a_cache_carried_across_turns_equals_plain():
-    model = dart_hf.enable(tiny_target())
+    model = dart_hf.enable(tiny_target(), False)
     plain, plain_cache, _ = chat(model, False)
     replies, cache, extra = chat(model, random_head(model))
     assert all(torch.equal(a, b) for a, b in zip(replies, plain))
@@ -262,7 +262,7 @@ def test_a_cache_carried_across_turns_equals_plain():
 
 def test_turns_continue_each_others_caches():
     # a plain turn continues a DART turn's cache and a DART turn a plain one's (its head state rebuilt)
-    model = dart_hf.enable(tiny_target())
+    model = dart_hf.enable(tiny_target(), False)
     plain, _, _ = chat(model, False)
     head = random_head(model)
     cache = DynamicCache(config=model.config)
@@ -286,7 +286,7 @@ def test_inference_mode_and_no_grad_alike_and_a_cache_crosses_between_them(modes
     """`torch.inference_mode()` broke every DART call on a grouped-query sdpa model (the grouped-mask memo read the
     version counter inference tensors lack), and a cache filled under it failed the next turn outside it (the head
     cache's in-place append). Plain does both; so does DART, token for token."""
-    model = dart_hf.enable(tiny_target())  # 4 query heads over 2 key/value heads: the grouped sdpa path
+    model = dart_hf.enable(tiny_target(), False)  # 4 query heads over 2 key/value heads: the grouped sdpa path
     head = random_head(model)
     contexts = {"inference": torch.inference_mode, "no_grad": torch.no_grad}
 
@@ -307,7 +307,7 @@ def test_inference_mode_and_no_grad_alike_and_a_cache_crosses_between_them(modes
 
 def test_a_cache_that_does_not_hold_the_input_prefix_is_continued_as_plain_continues_it():
     # chat templates re-tokenise the history: the cache may hold other tokens than the input at its positions
-    model = dart_hf.enable(tiny_target())
+    model = dart_hf.enable(tiny_target(), False)
     outputs = []
     for head in (False, random_head(model)):
         cache = DynamicCache(config=model.config)

@@ -34,7 +34,7 @@ def left_padded(prompts: list[torch.Tensor], pad: int = 0) -> tuple[torch.Tensor
 @pytest.mark.parametrize("rows", [1, 2, 4])
 @pytest.mark.parametrize("how", ["dart_head", "attached"])
 def test_greedy_with_context_paths_equals_plain(rows, how):
-    model = dart_hf.enable(tiny_target(seed=rows))
+    model = dart_hf.enable(tiny_target(seed=rows), False)
     head = random_head(model)  # accepts next to nothing: what is accepted comes from the context
     ids, mask = left_padded(copying_prompts(rows, rows))
     common = dict(attention_mask=mask, max_new_tokens=40, do_sample=False, pad_token_id=0)
@@ -51,7 +51,7 @@ def test_greedy_with_context_paths_equals_plain(rows, how):
 
 
 def test_context_paths_are_accepted_and_switch_off():
-    model = dart_hf.enable(tiny_target(seed=7))
+    model = dart_hf.enable(tiny_target(seed=7), False)
     head = random_head(model)
     ids, mask = left_padded(copying_prompts(7, 3))
     common = dict(attention_mask=mask, max_new_tokens=48, do_sample=False, pad_token_id=0, dart_head=head,
@@ -81,7 +81,7 @@ def sample_pairs(model, head, prompt, tree, draws, seed):
 
 
 def test_sampling_with_context_paths_keeps_the_distribution_and_a_lossy_control_fails(monkeypatch):
-    model = dart_hf.enable(tiny_target(vocab=8, layers=4, hidden=16, seed=3))
+    model = dart_hf.enable(tiny_target(vocab=8, layers=4, hidden=16, seed=3), False)
     prompt = torch.tensor([[1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2]])
     tree = TreeConfig(topk=2, beam_width=2, remain_total=6, context_draft=True, context_min_match=1,
                       context_matches=4, context_depth=3)

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 def smollm2():
     torch.set_num_threads(TEST_THREADS)
     model, tokenizer = dart_hf.load_smollm2()
-    return dart_hf.enable(model), tokenizer
+    return dart_hf.enable(model, False), tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -60,7 +60,7 @@ class SharperTemperature(TemperatureLogitsWarper):  # a subclass of transformers
 
 
 def setting(batch=3):
-    model = dart_hf.enable(tiny_target())
+    model = dart_hf.enable(tiny_target(), False)
     ids, mask = left_padded((5, 8, 3, 6)[:batch], seed=4)
     kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=PAD)
     return model, ids, kwargs

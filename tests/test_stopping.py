@@ -127,7 +127,7 @@ def test_host_decisions_equal_calling_the_criteria(seed):
 @pytest.mark.parametrize("lengths", [(5,), (6, 3, 8), (4, 9, 2, 7, 5, 3, 8, 6)])
 def test_a_stateful_batch_criterion_gets_plains_calls(lengths):
     # the harness's case: no EOS id, a per-row done tracker answering one bool for the batch, a left-padded batch
-    model = dart_hf.enable(tiny_target())
+    model = dart_hf.enable(tiny_target(), False)
     ids, mask = left_padded(lengths, seed=len(lengths))
     free = model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=PAD)
     stop_token = int(free[0, ids.shape[1] + 3])  # row 0 produces it at its 4th new token
@@ -147,7 +147,7 @@ def test_a_stateful_batch_criterion_gets_plains_calls(lengths):
 
 
 def test_rows_that_finish_first_and_last_with_and_without_an_eos_criterion():
-    model = dart_hf.enable(tiny_target())
+    model = dart_hf.enable(tiny_target(), False)
     ids, mask = left_padded((5, 8, 3), seed=4)
     free = model.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=PAD)
     never = int(free.max()) + 1  # an EOS id no row produces: an EOS criterion exists, finished rows get padding
@@ -170,7 +170,7 @@ def test_rows_that_finish_first_and_last_with_and_without_an_eos_criterion():
 
 def test_a_criterion_reading_scores_gets_plains_scores():
     # plain passes the processed scores of steps 1..t when output_scores is set (None otherwise)
-    model = dart_hf.enable(tiny_target())
+    model = dart_hf.enable(tiny_target(), False)
     prompt = torch.tensor([[5, 17, 33, 2, 9, 41, 12]])
     free = model.generate(prompt, max_new_tokens=16, do_sample=False)
     for output_scores in (False, True):
@@ -192,7 +192,7 @@ def test_a_criterion_reading_scores_gets_plains_scores():
 @pytest.mark.parametrize("eos", [None, "id"])
 def test_stop_strings_at_batch_size_above_one(eos):
     vocab = 96
-    model = dart_hf.enable(tiny_target(vocab=vocab))
+    model = dart_hf.enable(tiny_target(vocab=vocab), False)
     tokenizer = char_tokenizer()
     ids, mask = left_padded((4, 7, 2), seed=9, vocab=vocab)
     free = model.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=PAD)
@@ -207,7 +207,7 @@ def test_stop_strings_at_batch_size_above_one(eos):
 
 def test_sampling_under_called_criteria_keeps_each_rows_distribution_and_a_lossy_control_fails(monkeypatch):
     # the same statistical check as the host-decided case, with a criterion that must be called (lockstep)
-    model = dart_hf.enable(tiny_target(vocab=8, layers=4, hidden=16, seed=3))
+    model = dart_hf.enable(tiny_target(vocab=8, layers=4, hidden=16, seed=3), False)
     ids = torch.tensor([[1, 2, 3, 4], [PAD, 5, 6, 7]])
     mask = torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]])
     prompts = (torch.tensor([[1, 2, 3, 4]]), torch.tensor([[5, 6, 7]]))

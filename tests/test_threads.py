@@ -70,7 +70,7 @@ def test_concurrent_dart_and_plain_calls_each_equal_their_solo_result(fast_switc
         return transposed(*args)
 
     monkeypatch.setattr(matmul, "transposed_linear", recorded)
-    model = dart_hf.enable(tiny_target())
+    model = dart_hf.enable(tiny_target(), False)
     before = plain_logits(model)
     solo = [model.generate(p, max_new_tokens=16, do_sample=False, dart_head=False) for p in PROMPTS]
     heads = [oracle_head(model, s[0], wrong_every=3) for s in solo]
@@ -93,7 +93,7 @@ def test_concurrent_dart_and_plain_calls_each_equal_their_solo_result(fast_switc
 
 
 def test_statistics_are_per_call_and_per_thread(fast_switching):
-    model = dart_hf.enable(tiny_target())
+    model = dart_hf.enable(tiny_target(), False)
     plain = model.generate(PROMPTS[0], max_new_tokens=12, do_sample=False)
     good, bad = oracle_head(model, plain[0]), random_head(model)
 
@@ -124,7 +124,7 @@ def test_an_interrupt_at_any_phase_leaves_the_model_as_it_was(monkeypatch, name,
     if name == "prefill" and at_call > 1:
         pytest.skip("one prefill per call")
     monkeypatch.setattr(matmul, "transposed_is_faster", lambda weight, rows: True)
-    model = dart_hf.enable(tiny_target())
+    model = dart_hf.enable(tiny_target(), False)
     head = random_head(model)
     model.generate(PROMPTS[1], max_new_tokens=4, do_sample=False, dart_head=head)  # DART's dispatchers installed
     before = plain_logits(model)
@@ -155,7 +155,7 @@ def test_an_interrupt_at_any_phase_leaves_the_model_as_it_was(monkeypatch, name,
 
 def test_nothing_is_swapped_in_or_out_per_call():
     # the dispatchers are installed once; a call only sets its own context
-    model = dart_hf.enable(tiny_target())
+    model = dart_hf.enable(tiny_target(), False)
     head = random_head(model)
     model.generate(PROMPTS[0], max_new_tokens=4, do_sample=False, dart_head=head)
     forwards = {id(m): m.__dict__.get("forward") for m in model.modules() if type(m) is nn.Linear}
