@@ -12,12 +12,17 @@ Storage: every stored n-gram (lengths 0..order) is one int64 key in a single sor
 parallel int32 array (12 bytes per trie node). The key of (t1..tn) is `sum_i (t_i + 1) * V1**(n - i)` with
 `V1 = vocab_bound + 1`: digits are token + 1, so n-grams of different lengths never collide, the root is key 0, and a
 token -1 ("absent") contributes digit 0, making a left-padded window pack to the shorter n-gram.
+
+A table may carry the fingerprint of the tokenizer whose ids it counts (`tokenizer_fingerprint`, saved in the file's
+metadata); `check_ngram_tokenizer` refuses it for another tokenizer.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 from typing import Iterable, Optional, Sequence, Union
 
 import numpy as np
@@ -28,6 +33,7 @@ from dart_core.io import write_safetensors_arrays
 
 FORMAT_NAME = "dart-ngram"
 FORMAT_VERSION = 1
+TOKENIZER_KEY = "tokenizer"  # the file metadata key of the tokenizer fingerprint (a JSON string)
 
 _INT64_MAX = 2**63 - 1
 _INT32_MAX = 2**31 - 1
@@ -95,6 +101,73 @@ def _strictly_increasing(a: np.ndarray, chunk: int = 1 << 22) -> bool:
     return True
 
 
+def tokenizer_fingerprint(tokenizer) -> dict:
+    """What fixes the meaning of a tokenizer's ids: {"vocab_size": len(tokenizer), "vocab_sha256": the SHA-256 of
+    its sorted (token, id) pairs as canonical JSON, "special_tokens": its sorted [token, id] pairs}.
+
+    Duck-typed: any object with `len()`, `get_vocab()`, `all_special_tokens` and `all_special_ids` (a transformers
+    tokenizer, for one).
+    """
+    vocab = sorted((str(token), int(i)) for token, i in tokenizer.get_vocab().items())
+    dump = json.dumps(vocab, separators=(",", ":"))
+    special = sorted({(str(t), int(i)) for t, i in zip(tokenizer.all_special_tokens, tokenizer.all_special_ids)})
+    return {"vocab_size": int(len(tokenizer)), "vocab_sha256": hashlib.sha256(dump.encode("ascii")).hexdigest(),
+            "special_tokens": [list(pair) for pair in special]}
+
+
+def _checked_fingerprint(value) -> dict:
+    """`value` if it is a `tokenizer_fingerprint` (its three fields, nothing else), else DartInputError saying why."""
+    if not isinstance(value, dict) or set(value) != {"vocab_size", "vocab_sha256", "special_tokens"}:
+        raise DartInputError("a tokenizer fingerprint is an object with exactly vocab_size, vocab_sha256 and "
+                             f"special_tokens, got {str(value)[:120]}")
+    size, digest, special = value["vocab_size"], value["vocab_sha256"], value["special_tokens"]
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise DartInputError(f"tokenizer vocab_size must be an integer >= 0, got {size!r}")
+    if not isinstance(digest, str) or not re.fullmatch(r"[0-9a-f]{64}", digest):
+        raise DartInputError(f"tokenizer vocab_sha256 must be 64 lowercase hex digits, got {str(digest)[:80]!r}")
+    if not isinstance(special, list) or not all(
+            isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], int)
+            and not isinstance(p[1], bool) for p in special):
+        raise DartInputError(f"tokenizer special_tokens must be a list of [token, id] pairs, got {str(special)[:120]}")
+    return {"vocab_size": size, "vocab_sha256": digest, "special_tokens": [list(p) for p in special]}
+
+
+def _some(pairs: list, shown: int = 3) -> str:
+    """A few (token, id) pairs for a message."""
+    text = ", ".join(f"{token!r} = {i}" for token, i in pairs[:shown])
+    return text + (f" and {len(pairs) - shown} more" if len(pairs) > shown else "")
+
+
+def check_ngram_tokenizer(ngram: "NGramModel", tokenizer, model_vocab: Optional[int] = None) -> None:
+    """DartInputError when `ngram` was not counted for `tokenizer` (ids of another vocabulary would draft garbage),
+    naming every difference: the vocabulary size (both numbers), its contents, the special tokens that differ.
+
+    A table without a fingerprint (older files, tables built from ids alone) is only checked against `model_vocab`,
+    the model's vocabulary (embedding rows): its `vocab_bound` must not exceed it. Every table is, when it is given.
+    """
+    problems = []
+    if model_vocab is not None and ngram.vocab_bound > model_vocab:
+        problems.append(f"its vocabulary bound {ngram.vocab_bound} exceeds the model's vocabulary of {model_vocab}")
+    if ngram.tokenizer is not None:
+        built, given = ngram.tokenizer, tokenizer_fingerprint(tokenizer)
+        if built["vocab_size"] != given["vocab_size"]:
+            problems.append(f"it was built for a vocabulary of {built['vocab_size']} tokens, the tokenizer has "
+                            f"{given['vocab_size']}")
+        elif built["vocab_sha256"] != given["vocab_sha256"]:
+            problems.append(f"the vocabulary's tokens or ids differ (same size, {given['vocab_size']})")
+        built_special = {tuple(p) for p in built["special_tokens"]}
+        given_special = {tuple(p) for p in given["special_tokens"]}
+        if built_special != given_special:
+            parts = []
+            if built_special - given_special:
+                parts.append(f"the table's {_some(sorted(built_special - given_special))} are not the tokenizer's")
+            if given_special - built_special:
+                parts.append(f"the tokenizer's {_some(sorted(given_special - built_special))} are not the table's")
+            problems.append("special tokens differ: " + ", ".join(parts))
+    if problems:
+        raise DartInputError("the n-gram table does not fit this tokenizer: " + "; ".join(problems))
+
+
 def _unique_counts(keys: np.ndarray, key_space: int) -> tuple[np.ndarray, np.ndarray]:
     """Sorted distinct values of `keys` (all in [0, key_space)) and how often each occurs."""
     if key_space <= min(max(1 << 22, 2 * keys.size), 1 << 25):  # a dense histogram is cheaper than a sort
@@ -109,9 +182,11 @@ class NGramModel:
 
     keys   [num_nodes] int64 sorted packed n-gram keys (see module docstring; key 0 = root)
     counts [num_nodes] int32 occurrences of each n-gram (root: total number of tokens)
+    tokenizer  the `tokenizer_fingerprint` of the tokenizer whose ids it counts, or None (unknown)
     """
 
-    def __init__(self, keys: torch.Tensor, counts: torch.Tensor, order: int, vocab_bound: int):
+    def __init__(self, keys: torch.Tensor, counts: torch.Tensor, order: int, vocab_bound: int,
+                 tokenizer: Optional[dict] = None):
         _check_key_space(vocab_bound, order)
         if keys.dtype != torch.int64 or counts.dtype != torch.int32:
             raise ValueError(f"keys must be int64 and counts int32, got {keys.dtype} and {counts.dtype}")
@@ -124,6 +199,7 @@ class NGramModel:
         self.counts = counts
         self.order = int(order)
         self.vocab_bound = int(vocab_bound)
+        self.tokenizer = None if tokenizer is None else _checked_fingerprint(tokenizer)
         self._base = self.vocab_bound + 1
         self._ctx_len = self.order - 1
         # [order-1] place values of the context columns, most significant (oldest id) first
@@ -138,11 +214,11 @@ class NGramModel:
 
     @classmethod
     def build(cls, sequences: Iterable, order: int = 3, vocab_size: Optional[int] = None,
-              progress: bool = False) -> "NGramModel":
+              progress: bool = False, tokenizer: Optional[dict] = None) -> "NGramModel":
         """Count every n-gram (n <= order) of `sequences` (1-D int lists, numpy arrays or tensors).
 
         `vocab_size` bounds the token ids (default: max id + 1); ids outside [0, vocab_size) raise ValueError.
-        Empty sequences are skipped.
+        Empty sequences are skipped. `tokenizer`: the `tokenizer_fingerprint` of the tokenizer that made the ids.
         """
         from tqdm.auto import tqdm
 
@@ -153,6 +229,8 @@ class NGramModel:
             raise DartInputError(f"vocab_size must be a positive integer or None, got {vocab_size!r}")
         if vocab_size is not None:
             _check_key_space(int(vocab_size), order)
+        if tokenizer is not None:
+            tokenizer = _checked_fingerprint(tokenizer)
         order = int(order)
 
         arrays, seq_index = [], []  # the non-empty sequences and their positions in `sequences`
@@ -205,7 +283,7 @@ class NGramModel:
         # n-grams of length n have keys in [base**(n-1), base**n): concatenation by length is sorted
         keys = np.concatenate(key_parts)
         counts = np.concatenate(count_parts).astype(np.int32)
-        return cls(torch.from_numpy(keys), torch.from_numpy(counts), order, vocab_bound)
+        return cls(torch.from_numpy(keys), torch.from_numpy(counts), order, vocab_bound, tokenizer)
 
     @classmethod
     def from_counts(cls, keys, counts, order: int, vocab_bound: int) -> "NGramModel":
@@ -238,12 +316,15 @@ class NGramModel:
         """Write the model to a safetensors file (atomically: a reader sees the old file or the complete new one)."""
         metadata = {"format": FORMAT_NAME, "format_version": str(FORMAT_VERSION), "order": str(self.order),
                     "vocab_bound": str(self.vocab_bound)}
+        if self.tokenizer is not None:
+            metadata[TOKENIZER_KEY] = json.dumps(self.tokenizer, sort_keys=True)
         write_safetensors_arrays({"keys": self.keys.cpu().numpy(), "counts": self.counts.cpu().numpy()},
                                  os.fspath(path), metadata)
 
     @classmethod
     def load(cls, path: Union[str, os.PathLike], device: DeviceLike = None) -> "NGramModel":
-        """Read a file written by `save`; on CPU the arrays stay memory-mapped (no copy)."""
+        """Read a file written by `save`; on CPU the arrays stay memory-mapped (no copy). Files without a tokenizer
+        fingerprint load with `.tokenizer` None."""
         path = os.fspath(path)
 
         def bad(what: str) -> DartInputError:
@@ -278,6 +359,12 @@ class NGramModel:
             _check_key_space(vocab_bound, order)
         except ValueError as e:
             raise bad(str(e)) from None
+        tokenizer = meta.get(TOKENIZER_KEY)
+        if tokenizer is not None:
+            try:
+                tokenizer = _checked_fingerprint(json.loads(tokenizer))
+            except (TypeError, ValueError, RecursionError) as e:  # JSONDecodeError, DartInputError: ValueErrors
+                raise bad(f"metadata {TOKENIZER_KEY!r} is not a tokenizer fingerprint ({e})") from None
 
         data_start = 8 + header_len
         arrays = {}
@@ -316,7 +403,7 @@ class NGramModel:
                 raise bad(f"keys outside [0, (vocab_bound + 1) ** order) for vocab_bound {vocab_bound}, order {order}")
             if int(counts.min()) < 0:
                 raise bad("negative counts")
-        model = cls(torch.from_numpy(keys), torch.from_numpy(counts), order, vocab_bound)
+        model = cls(torch.from_numpy(keys), torch.from_numpy(counts), order, vocab_bound, tokenizer)
         if device is not None and torch.device(device).type != "cpu":
             model = model.to(device)
         return model
@@ -326,7 +413,7 @@ class NGramModel:
         device = torch.device(device)
         if self.keys.device == device or (device.index is None and self.keys.device.type == device.type):
             return self
-        return NGramModel(self.keys.to(device), self.counts.to(device), self.order, self.vocab_bound)
+        return NGramModel(self.keys.to(device), self.counts.to(device), self.order, self.vocab_bound, self.tokenizer)
 
     # ------------------------------------------------------------------ properties
 

@@ -1,8 +1,9 @@
 """The n-gram table as a model-free drafter's source: `NGramModel.top_continuations` against a brute-force count of
-the raw sequences."""
+the raw sequences; the tokenizer fingerprint a table carries and the check that refuses it for another tokenizer."""
 
 from __future__ import annotations
 
+import json
 import random
 from collections import Counter
 
@@ -10,7 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from dart_core.ngram import NGramModel
+from dart_core.errors import DartInputError
+from dart_core.io import write_safetensors_arrays
+from dart_core.ngram import NGramModel, check_ngram_tokenizer, tokenizer_fingerprint
+from hf_models import char_tokenizer
 
 
 def brute_counts(sequences, order):
@@ -109,3 +113,119 @@ def test_top_continuations_refuse_a_device_model():
     model = NGramModel.build([[1, 2, 3]], order=3).to("cuda")
     with pytest.raises(ValueError, match="on the CPU"):
         model.top_continuations([1, 2], 2)
+
+
+# ---- tokenizer identity -------------------------------------------------------------------------------------------
+class DuckTokenizer:
+    """The four things `tokenizer_fingerprint` reads, and nothing else."""
+
+    def __init__(self, vocab: dict, special: dict):
+        self.vocab, self.special = vocab, special
+
+    def __len__(self):
+        return len(self.vocab)
+
+    def get_vocab(self):
+        return dict(self.vocab)
+
+    @property
+    def all_special_tokens(self):
+        return list(self.special)
+
+    @property
+    def all_special_ids(self):
+        return list(self.special.values())
+
+
+WORDS = {"<pad>": 0, "<eos>": 1, "a": 2, "b": 3, "c": 4}
+
+
+def test_fingerprint_fields():
+    fp = tokenizer_fingerprint(char_tokenizer())
+    assert fp["vocab_size"] == 96 and fp["special_tokens"] == [["<eos>", 1], ["<pad>", 0]]
+    assert len(fp["vocab_sha256"]) == 64 and fp == tokenizer_fingerprint(char_tokenizer())  # deterministic
+    duck = tokenizer_fingerprint(DuckTokenizer(WORDS, {"<eos>": 1}))
+    assert duck == tokenizer_fingerprint(DuckTokenizer(dict(reversed(WORDS.items())), {"<eos>": 1}))  # order-free
+    swapped = tokenizer_fingerprint(DuckTokenizer({**WORDS, "a": 3, "b": 2}, {"<eos>": 1}))
+    assert swapped["vocab_size"] == duck["vocab_size"] and swapped["vocab_sha256"] != duck["vocab_sha256"]
+    assert json.loads(json.dumps(fp)) == fp
+
+
+def test_fingerprint_is_saved_loaded_and_checked(tmp_path):
+    tokenizer = char_tokenizer()
+    fp = tokenizer_fingerprint(tokenizer)
+    model = NGramModel.build([[5, 6, 7, 5, 6]], order=3, vocab_size=96, tokenizer=fp)
+    assert model.tokenizer == fp and model.to("cpu").tokenizer == fp
+    path = tmp_path / "ng.safetensors"
+    model.save(path)
+    loaded = NGramModel.load(path)
+    assert loaded.tokenizer == fp
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="np") as f:
+        assert json.loads(f.metadata()["tokenizer"]) == fp
+    check_ngram_tokenizer(loaded, tokenizer, model_vocab=96)  # its own tokenizer: accepted
+    with pytest.raises(DartInputError, match="vocabulary bound 96 exceeds the model's vocabulary of 90"):
+        check_ngram_tokenizer(loaded, tokenizer, model_vocab=90)
+
+
+def test_another_tokenizer_is_refused_naming_the_difference():
+    table = NGramModel.build([[2, 3, 4]], order=3, tokenizer=tokenizer_fingerprint(DuckTokenizer(WORDS, {"<eos>": 1})))
+    bigger = char_tokenizer()
+    with pytest.raises(DartInputError, match="built for a vocabulary of 5 tokens, the tokenizer has 96") as info:
+        check_ngram_tokenizer(table, bigger)
+    assert "special tokens differ: the tokenizer's '<pad>' = 0 are not the table's" in str(info.value)
+    with pytest.raises(DartInputError, match=r"tokens or ids differ \(same size, 5\)") as info:
+        check_ngram_tokenizer(table, DuckTokenizer({**WORDS, "a": 3, "b": 2}, {"<eos>": 1}))
+    assert "special" not in str(info.value)
+    with pytest.raises(DartInputError) as info:  # same vocabulary, another EOS
+        check_ngram_tokenizer(table, DuckTokenizer(WORDS, {"c": 4}))
+    message = str(info.value)
+    assert "vocabulary" not in message and "special tokens differ" in message
+    assert "the table's '<eos>' = 1 are not the tokenizer's" in message and "the tokenizer's 'c' = 4" in message
+    many = DuckTokenizer({**WORDS, **{f"<s{i}>": 5 + i for i in range(6)}}, {f"<s{i}>": 5 + i for i in range(6)})
+    with pytest.raises(DartInputError, match=r"'<s2>' = 7 and 3 more"):
+        check_ngram_tokenizer(NGramModel.build([[2]], tokenizer=tokenizer_fingerprint(many)),
+                              DuckTokenizer(many.vocab, {}))
+    real = char_tokenizer()
+    real.eos_token = "."  # a real tokenizer whose EOS moved: refused for the table of the original
+    with pytest.raises(DartInputError, match="special tokens differ"):
+        check_ngram_tokenizer(NGramModel.build([[2]], tokenizer=tokenizer_fingerprint(char_tokenizer())), real)
+
+
+def test_table_without_fingerprint_loads_and_checks_its_bound(tmp_path):
+    path = tmp_path / "old.safetensors"
+    NGramModel.build([[1, 2, 3, 1, 2]], order=3, vocab_size=50).save(path)
+    loaded = NGramModel.load(path)
+    assert loaded.tokenizer is None and loaded.count([1, 2]) == 2
+    check_ngram_tokenizer(loaded, char_tokenizer())  # nothing to compare but the bound, which needs model_vocab
+    check_ngram_tokenizer(loaded, char_tokenizer(), model_vocab=50)
+    with pytest.raises(DartInputError, match="vocabulary bound 50 exceeds the model's vocabulary of 49"):
+        check_ngram_tokenizer(loaded, char_tokenizer(), model_vocab=49)
+
+
+GOOD_FP = {"vocab_size": 5, "vocab_sha256": "0" * 64, "special_tokens": [["<eos>", 1]]}
+
+
+@pytest.mark.parametrize("value,message", [
+    ("{not json", "not a tokenizer fingerprint"),
+    ("[]", "exactly vocab_size"),
+    (json.dumps({**GOOD_FP, "extra": 1}), "exactly vocab_size"),
+    (json.dumps({**GOOD_FP, "vocab_size": -1}), "vocab_size must be"),
+    (json.dumps({**GOOD_FP, "vocab_size": True}), "vocab_size must be"),
+    (json.dumps({**GOOD_FP, "vocab_sha256": "xyz"}), "64 lowercase hex"),
+    (json.dumps({**GOOD_FP, "special_tokens": [["<eos>"]]}), "pairs"),
+    (json.dumps({**GOOD_FP, "special_tokens": "<eos>"}), "pairs"),
+])
+def test_corrupt_fingerprint_is_one_clear_error(tmp_path, value, message):
+    path = tmp_path / "bad.safetensors"
+    meta = {"format": "dart-ngram", "format_version": "1", "order": "2", "vocab_bound": "5", "tokenizer": value}
+    write_safetensors_arrays({"keys": np.array([0, 2], dtype=np.int64), "counts": np.array([1, 1], dtype=np.int32)},
+                             str(path), meta)
+    with pytest.raises(DartInputError, match=message) as info:
+        NGramModel.load(path)
+    assert str(path) in str(info.value) and "'tokenizer'" in str(info.value)
+    if message != "not a tokenizer fingerprint":  # valid JSON: `build` refuses the same value
+        with pytest.raises(DartInputError, match=message):
+            NGramModel.build([[1]], tokenizer=json.loads(value))
+
