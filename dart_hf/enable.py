@@ -242,7 +242,7 @@ def remember_outputs(store: Optional[OutputStore], inputs, kwargs: dict, result,
         store.add(real[len(real) - PROMPT_TAIL:] + new if len(real) > PROMPT_TAIL else real + new)
 
 
-def enable(model, head=None, *, ngram=None, tree_config: Optional[TreeConfig] = None, store=True):
+def enable(model, head=None, *, ngram=None, tree_config: Optional[TreeConfig] = None, store=True, tokenizer=None):
     """Give `model` (a transformers causal LM) DART generation in place; returns the same object.
 
     `head`: the drafter every later `generate()` call decodes with where DART applies (pipelines and evaluation
@@ -250,7 +250,9 @@ def enable(model, head=None, *, ngram=None, tree_config: Optional[TreeConfig] = 
     context, earlier outputs and `ngram` on any model with no training; False attaches nothing (calls then use DART
     only with `generate(dart_head=...)`). `ngram` / `tree_config` override the drafter's own. `store`: the earlier
     outputs DART calls match (docs/DESIGN.md §2.7): True (an `OutputStore` of the default cap), a cap in tokens, an
-    `OutputStore`, or False (none); `model.dart_store` holds it.
+    `OutputStore`, or False (none); `model.dart_store` holds it. `tokenizer`: the model's, against which an n-gram
+    table is checked here (it is checked against the model's vocabulary in any case, and against a call's
+    `tokenizer=` at the call).
 
     `generate()` learns `dart_head=`, `dart_ngram=`, `dart_tree_config=`, `dart_store=`, `dart_sync_timing=`,
     `dart_cuda_graph=` and accepts a `DartHead` as `assistant_model`. A call that asks for what DART does not do (beam
@@ -268,8 +270,13 @@ def enable(model, head=None, *, ngram=None, tree_config: Optional[TreeConfig] = 
     if head is not False:
         from dart_hf.target import plan_for
 
-        plan_for(model, head)
+        from dart_hf.target import check_ngram_fits
+
+        plan_for(model, head, tokenizer)
         options = DartOptions(head, ngram, tree_config)  # every refusal before the model changes
+        table = ngram if ngram is not None else head.ngram
+        if table is not None:
+            check_ngram_fits(table, model, tokenizer)
     cls = type(model)
     if not issubclass(cls, DartGenerationMixin):
         sub = _SUBCLASSES.get(cls)

@@ -28,7 +28,7 @@ from dart_hf.compat import cache_from_caller, supports_logits_to_keep
 from dart_hf.processors import processor_refusal, row_processor
 from dart_hf.stopping import Stopper, pad_token
 from dart_hf.target import (AttentionLayout, TargetPlan, attention_layout, check_architecture, check_attention,
-                            check_cache, crop_cache, hidden_state_request, keep_accepted_path, plan_for,
+                            check_cache, check_ngram_fits, crop_cache, hidden_state_request, keep_accepted_path, plan_for,
                             prompt_positions, sliding_dropped, tapped_hidden_states, tree_attention_mask, tree_forward, tree_forwards, tree_settings,
                             whole_sliding_layers)
 
@@ -958,6 +958,9 @@ def _prepare(call: Call) -> Prepared:
     if past and past >= input_ids.shape[1]:
         raise DartInputError(f"the cache holds {past} positions but input_ids only {input_ids.shape[1]}: pass the "
                              "whole sequence, the cached prefix included, and at least one new token")
+    ngram = call.options.ngram if call.options.ngram is not None else head.ngram
+    if ngram is not None:
+        check_ngram_fits(ngram, model, call.tokenizer)
     return Prepared(plan_for(model, head, call.tokenizer), layout, attention_mask.long(),
                     positions.expand(batch_size, -1).long(), cache, past)
 

@@ -56,6 +56,20 @@ def plan_for(model, head: Drafter, tokenizer=None) -> TargetPlan:
     return TargetPlan(layer_ids=tuple(layer_ids))
 
 
+def check_ngram_fits(ngram, model, tokenizer=None) -> None:
+    """DartInputError when the n-gram table `ngram` was not counted for `model`'s vocabulary or, given,
+    `tokenizer` (`dart_core.ngram.check_ngram_tokenizer`: sizes, contents, special tokens)."""
+    from dart_core.ngram import check_ngram_tokenizer
+
+    vocab = int(model.get_input_embeddings().weight.shape[0])
+    if tokenizer is not None:
+        check_ngram_tokenizer(ngram, tokenizer, vocab)
+    elif ngram.vocab_bound > vocab or (ngram.tokenizer is not None and ngram.tokenizer["vocab_size"] > vocab):
+        raise DartInputError(f"the n-gram table was counted for a vocabulary of "
+                             f"{max(ngram.vocab_bound, (ngram.tokenizer or {}).get('vocab_size', 0))} tokens, more "
+                             f"than the model's {vocab}")
+
+
 # model types whose attention adds an ALiBi position bias built from a 2D padding mask, which a tree mask replaces
 ALIBI_MODEL_TYPES = ("bloom", "mpt")
 
