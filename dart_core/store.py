@@ -109,12 +109,11 @@ class OutputStore:
         """The up to `depth` tokens after each of the latest `count` occurrences of `suffix` (latest first), each
         within its own sequence; occurrences that end their sequence are skipped. [] for a suffix length the store
         does not index."""
-        ends = self._ends.get(len(suffix))
-        if ends is None or count < 1 or depth < 1:
+        if count < 1 or depth < 1:
             return []
         out = []
         with self._lock:
-            positions = ends.get(_key(suffix))
+            positions = self._ends.get(len(suffix), {}).get(_key(suffix))
             for end in reversed(positions or ()):
                 i = end + 1 - self._offset
                 cont = self._tokens[i:i + depth].tolist()
@@ -161,11 +160,16 @@ class OutputStore:
         """A store holding the sequences `save` wrote to `path` (cap: `max_tokens`, else the saved one); a file
         that is not such a store is one DartInputError."""
         try:
-            with np.load(path, allow_pickle=False) as raw:
+            raw = np.load(path, allow_pickle=False)
+            if not isinstance(raw, np.lib.npyio.NpzFile):
+                raise ValueError(f"a {type(raw).__name__}, not an .npz archive")
+            with raw:
                 tokens, offsets, saved_cap = raw["tokens"], raw["offsets"], raw["max_tokens"]
-        except (OSError, ValueError, KeyError, EOFError) as err:
-            if isinstance(err, FileNotFoundError):
-                raise
+            if saved_cap.shape != () or saved_cap.dtype.kind not in "iu":
+                raise ValueError(f"max_tokens is {saved_cap!r}, not one integer")
+        except FileNotFoundError:
+            raise
+        except Exception as err:  # noqa: BLE001 -- whatever a damaged file makes numpy raise is one clear error
             raise DartInputError(f"{path} is not an output store ({type(err).__name__}: {err})") from None
         if (tokens.ndim != 1 or offsets.ndim != 1 or tokens.dtype.kind not in "iu" or offsets.dtype.kind not in "iu"
                 or len(offsets) < 1 or offsets[0] != 0 or offsets[-1] != len(tokens)

@@ -53,6 +53,10 @@ class DartGenerationMixin:
     `DartCandidateGenerator`; everything else is the model's own `generate`."""
 
     def generate(self, inputs=None, generation_config=None, **kwargs):
+        assistant = kwargs.get("assistant_model")
+        if isinstance(assistant, Drafter) and not isinstance(assistant, DartHead):
+            raise DartInputError(f"assistant_model takes a DartHead (a chain per step); a {type(assistant).__name__} "
+                                 "drafts through dart_head= instead")
         asked = {name: kwargs.pop(name) for name in DART_ARGUMENTS if name in kwargs}  # dart_head, dart_ngram, ...
         dart_head = asked.pop("dart_head", None)
         attached = getattr(self, "_dart_attached", None)
@@ -82,7 +86,7 @@ class DartGenerationMixin:
                 mode, reason = controller.call_mode(*_call_shape(inputs, kwargs))
             if mode == "plain":
                 result = self._timed_plain_generate(controller, reason, inputs, generation_config, kwargs)
-                remember_outputs(options.store, inputs, kwargs, result, generation_config or self.generation_config)
+                remember_outputs(options.store, inputs, kwargs, result, self._call_eos(generation_config, kwargs))
                 return result
             # the controller is made (its first-call measurement) once the call's checks have passed
             policy = CallPolicy(functools.partial(controller_for, self, options.head, context),
@@ -100,7 +104,7 @@ class DartGenerationMixin:
         try:  # generate() drops the call's tokenizer on the custom_generate path: the two methods below get it here
             result = contextvars.copy_context().run(_with_tokenizer, tokenizer, super().generate, inputs,
                                                     generation_config, **dart_kwargs)
-            remember_outputs(options.store, inputs, kwargs, result, generation_config or self.generation_config)
+            remember_outputs(options.store, inputs, kwargs, result, self._call_eos(generation_config, kwargs))
             return result
         except NotApplicable as err:
             if explicit:
@@ -144,6 +148,12 @@ class DartGenerationMixin:
             clock.report(controller)
             controller.save()
 
+    def _call_eos(self, generation_config, kwargs: dict):
+        """The EOS ids a call ends rows with: its `eos_token_id=`, else its generation config's, else the model's."""
+        if kwargs.get("eos_token_id") is not None:
+            return kwargs["eos_token_id"]
+        return (generation_config if generation_config is not None else self.generation_config).eos_token_id
+
     @property
     def dart_store(self) -> Optional[OutputStore]:
         """The store of earlier outputs that DART calls on this model match (`dart_hf.enable(..., store=)`; None:
@@ -158,9 +168,6 @@ class DartGenerationMixin:
 
     def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
                                  assistant_model=None, target_tokenizer=None, assistant_tokenizer=None):
-        if isinstance(assistant_model, Drafter) and not isinstance(assistant_model, DartHead):
-            raise DartInputError(f"assistant_model takes a DartHead (a chain per step); a "
-                                 f"{type(assistant_model).__name__} drafts through dart_head= instead")
         if isinstance(assistant_model, DartHead):
             generator = DartCandidateGenerator(self, assistant_model, generation_config)
             _record_stats(self, generator.stats)
@@ -222,9 +229,9 @@ def _with_tokenizer(call_tokenizer, generate, *args, **kwargs):
 PROMPT_TAIL = 16  # prompt tokens kept before each output in the store: a later call matches into the output from them
 
 
-def remember_outputs(store: Optional[OutputStore], inputs, kwargs: dict, result, generation_config) -> None:
+def remember_outputs(store: Optional[OutputStore], inputs, kwargs: dict, result, eos) -> None:
     """Keep each row of a finished call in `store` (when there is one): its last `PROMPT_TAIL` prompt tokens and its
-    new tokens up to and including the first EOS."""
+    new tokens up to and including the first of the `eos` ids (an id, a list or a tensor of them, or None)."""
     if not isinstance(store, OutputStore):
         return
     ids = inputs if inputs is not None else kwargs.get("input_ids")
@@ -233,7 +240,6 @@ def remember_outputs(store: Optional[OutputStore], inputs, kwargs: dict, result,
         return
     mask = kwargs.get("attention_mask")
     mask = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
-    eos = generation_config.eos_token_id
     eos = set(eos.flatten().tolist() if isinstance(eos, torch.Tensor) else
               eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
     for prompt, keep, row in zip(ids.tolist(), mask.tolist(), sequences[:, ids.shape[1]:].tolist()):

@@ -5,7 +5,6 @@ generate(), greedy output token for token plain's (the row's context, a store of
 a carried cache) and sampling that keeps the target distribution; the refusals, before any work. Each comparison has
 a control (a broken implementation or a lossy verifier) that it must catch."""
 
-import contextlib
 import copy
 import functools
 import io
@@ -13,6 +12,7 @@ import math
 import pickle
 import random
 import threading
+import warnings
 
 import numpy as np
 import pytest
@@ -179,14 +179,7 @@ CORRUPT = {
 }
 
 
-# library bug (reported): these raise other errors than DartInputError
-LOAD_BUGS = {"truncated": "zipfile.BadZipFile escapes OutputStore.load",
-             "an .npy array": "np.load returns an ndarray, used as a context manager: TypeError",
-             "an array cap": "int() of a 2-element max_tokens: TypeError"}
-
-
-@pytest.mark.parametrize("kind", [pytest.param(kind, marks=pytest.mark.xfail(strict=True, reason=LOAD_BUGS[kind]))
-                                  if kind in LOAD_BUGS else kind for kind in CORRUPT])
+@pytest.mark.parametrize("kind", CORRUPT)
 def test_a_corrupt_store_file_is_one_dart_input_error(tmp_path, kind):
     store = OutputStore(100)
     store.add([1, 2, 3, 4, 5])
@@ -274,9 +267,6 @@ class PausingLock:
         self.inner.release()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "library bug (reported): OutputStore.continuations reads self._ends before taking the lock; a clear() (and adds) "
-    "in between leave it the old index's positions read against the new tokens: continuations of another suffix"))
 def test_a_lookup_racing_a_clear_returns_only_true_continuations():
     store = OutputStore(100)
     store.add([1, 2, 3, 4, 5])
@@ -414,6 +404,7 @@ def test_row_and_store_by_hand():
     store.add([1, 4, 7, 8])  # (4, 7, 8) ends this sequence: nothing follows, the earlier occurrence stays
     assert row.continuations(4, 2, None, store) == (3, [[6]], [SOURCE_STORE])
     assert row.continuations(4, 2, 1, None) == (2, [[1]], [SOURCE_CONTEXT])  # cut after the EOS (1)
+    assert [e[:3] + e[4:] for e in row.paths(cfg, store)] == [(6, -1, 1, SOURCE_STORE)]  # the trie of that match
 
 
 @pytest.mark.parametrize("broken", ["earliest store occurrences", "store ignored", "a longer store match joins",
@@ -743,9 +734,7 @@ def test_a_store_of_earlier_outputs_is_used_and_the_output_stays_plains():
 
 @pytest.mark.parametrize("how", [
     "the model's generation_config", "generation_config=",
-    pytest.param("eos_token_id=", marks=pytest.mark.xfail(strict=True, reason=(
-        "library bug (reported): dart_hf.enable.remember_outputs reads the EOS from generation_config or the "
-        "model's, never from generate()'s eos_token_id= argument: a row's padding after its EOS joins the store"))),
+    "eos_token_id=",
 ])
 def test_outputs_are_kept_up_to_the_first_eos(how):
     from transformers import GenerationConfig
@@ -905,15 +894,11 @@ def test_what_model_free_drafting_cannot_serve_is_refused_before_any_work(counte
     assert calls  # the count sees a forward
 
 
-@pytest.mark.xfail(strict=True, raises=AttributeError, reason=(
-    "library bug (reported): transformers' _validate_generation_mode reads assistant_model.config before "
-    "DartGenerationMixin._get_candidate_generator is reached: AttributeError ('ModelFreeDrafter' object has no "
-    "attribute 'config') instead of the DartInputError"))
 def test_a_model_free_drafter_as_assistant_model_is_refused_before_any_work(counted):
     model, calls = counted
-    for enabled in (model, dart_hf.enable(model)):
-        attached = enabled._dart_attached is not None  # an attached drafter: plain generate() after a warning
-        with pytest.warns(dart_hf.DartFallbackWarning) if attached else contextlib.nullcontext():
+    for enabled in (model, dart_hf.enable(model)):  # refused first, whether a drafter is attached or not
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no fallback warning: the refusal comes before any decision
             with pytest.raises(DartInputError, match="assistant_model takes a DartHead"):
                 enabled.generate(PROMPT, max_new_tokens=4, do_sample=False, assistant_model=ModelFreeDrafter())
     assert calls == []
