@@ -76,12 +76,23 @@ COST_RUN_TOKENS = 24  # new tokens of the short DART run that times the head, th
 COST_RUN_STEPS = 3  # verify steps that run must make: whatever the head drafts, a step of its 8-node tree yields <= 9
 
 
+MAX_MS = 86400e3  # no forward, step or measurement takes a day: a cached time above it is no measurement
+MAX_TOKENS = 2 ** 24  # no verify forward, cache or context of a measurement holds more tokens
+
+
 def _positive(value, name: str, zero_ok: bool = False) -> float:
-    """`value` as a float when it is a finite number > 0 (>= 0 with `zero_ok`); DartInputError naming it otherwise."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or value < 0 or (value == 0 and not zero_ok):
-        raise DartInputError(f"{name} is {value!r}, not a finite number {'>= 0' if zero_ok else '> 0'}")
-    return float(value)
+    """`value` as a float when it is a finite number > 0 (>= 0 with `zero_ok`) up to `MAX_MS`; DartInputError naming
+    it otherwise (an int too large for a float included)."""
+    try:
+        number = None if isinstance(value, bool) or not isinstance(value, (int, float)) else float(value)
+    except OverflowError:
+        number = None
+    if number is None or not math.isfinite(number) or number < 0 or (number == 0 and not zero_ok) \
+            or number > MAX_MS:
+        shown = repr(value) if number is not None or not isinstance(value, int) else "an integer too large"
+        raise DartInputError(f"{name} is {shown[:40]}, not a finite number {'>= 0' if zero_ok else '> 0'} up to "
+                             f"{MAX_MS:g}")
+    return number
 
 
 @dataclasses.dataclass
@@ -107,8 +118,8 @@ class MachineCost:
             raise DartInputError("verify_ms must be a non-empty {tokens: ms} mapping")
         verify = {}
         for k, ms in self.verify_ms.items():
-            if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-                raise DartInputError(f"verify_ms has a token count {k!r}, not an integer >= 1")
+            if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_TOKENS:
+                raise DartInputError(f"verify_ms has a token count {str(k)[:40]}, not an integer in 1..{MAX_TOKENS}")
             verify[k] = _positive(ms, f"verify_ms[{k}]")
         self.verify_ms = dict(sorted(verify.items()))
         self.plain_ms = _positive(self.plain_ms, "plain_ms")
@@ -116,8 +127,9 @@ class MachineCost:
             setattr(self, name, _positive(getattr(self, name), name, zero_ok=True))
         self.seconds = _positive(self.seconds, "seconds", zero_ok=True)
         if isinstance(self.context_length, bool) or not isinstance(self.context_length, int) \
-                or self.context_length < 1:
-            raise DartInputError(f"context_length is {self.context_length!r}, not an integer >= 1")
+                or not 1 <= self.context_length <= MAX_TOKENS:
+            raise DartInputError(f"context_length is {str(self.context_length)[:40]}, not an integer in "
+                                 f"1..{MAX_TOKENS}")
         if not isinstance(self.identity, dict) or not isinstance(self.created, str):
             raise DartInputError("identity must be an object and created a string")
 
@@ -473,7 +485,8 @@ NO_FILE = object()  # what `read_cache_file` returns where there is nothing to r
 
 def read_cache_file(path: Path) -> object:
     """The JSON value in `path` (or what this process could not write there), or `NO_FILE` when there is none or it
-    cannot be read (one `DartCacheWarning` per directory); malformed JSON raises ValueError."""
+    cannot be read (one `DartCacheWarning` per directory); malformed JSON, or JSON nested too deeply to parse,
+    raises ValueError."""
     if str(path) in _MEMORY:
         return _MEMORY[str(path)]
     try:
@@ -483,7 +496,10 @@ def read_cache_file(path: Path) -> object:
     except (OSError, UnicodeDecodeError) as err:
         _warn_once(path, "read", err)
         return NO_FILE
-    return json.loads(text)
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("its JSON is nested too deeply to read") from None
 
 
 def write_cache_file(path: Path, data: dict) -> bool:

@@ -39,7 +39,11 @@ DART whatever the estimates say (the tree sizes still adapt); a call with a fixe
 
 What is learned is kept beside the machine cost, under the same key (`<key>.learned.json` in
 `$DART_SPEC_CACHE/machine/`), merged entry by entry with what other processes wrote (the newer entry wins, under a file
-lock) at most every `SAVE_EVERY_S` seconds and at exit; a cache that cannot be written keeps it in memory.
+lock) at most every `SAVE_EVERY_S` seconds and at exit; a cache that cannot be written keeps it in memory, and a save
+never raises out of a call. Every value read back is checked (`parse_learned`: a finite number in its range, a tree
+size among this controller's, a regime key that is a bucket): an entry that is not is ignored with one
+`DartCacheWarning` per controller, the rest kept. A step time that is not finite and > 0 (a clock that stalls, is
+coarser than a step or steps back) is never learned (`step_seconds_ok`).
 
     choice = dart_hf.tree_choice(model, head)        # the current choice at batch 1 (None: nothing known of tau yet)
     tree = dart_hf.calibrate(model, tokenizer, head) # measure the acceptance curve and the machine cost now
@@ -50,6 +54,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import json
 import math
 import statistics
 import threading
@@ -63,6 +68,7 @@ import torch
 from transformers import StoppingCriteria
 
 from dart_core import AcceptanceCurve, DartHead, TreeConfig
+from dart_core.config import MAX_TREE_NODES
 from dart_core.errors import DartInputError
 from dart_hf.calibration import (CANDIDATES, NO_FILE, DartCacheWarning, MachineCost, base_tree_config, cost_path,
                                  identity, machine_cost, measure_acceptance, monotone, read_cache_file,
@@ -88,6 +94,31 @@ LEARNED_VERSION = 1
 SHAPE_TOLERANCE = 1.3  # timed / predicted step ratios within 30% of each other: the first measurement's shape holds
 MIN_FIT_SPAN = 1.5  # a line through timed steps needs verified row counts that differ by half
 CONTEXT_BUCKET_MIN = 256  # contexts up to 256 positions share a regime; above, one regime per power of two
+# what a learned-state file may hold (anything else is ignored): no step of a decoding loop takes a day, no ratio of
+# observed to predicted step time is beyond a million either way, no regime buckets more than 2**40 rows or positions,
+# and no entry was updated more than a day ahead of this clock (it would win every merge for ever)
+MAX_STEP_S = 86400.0
+SCALE_RANGE = (1e-6, 1e6)
+MAX_BUCKET = 2 ** 40
+FUTURE_SLACK_S = 86400.0
+
+
+def finite(value) -> Optional[float]:
+    """`value` as a float when it is a finite real number (not a bool; not an int too large for a float), else None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        out = float(value)
+    except OverflowError:
+        return None
+    return out if math.isfinite(out) else None
+
+
+def step_seconds_ok(seconds) -> bool:
+    """Whether `seconds` can be a step's time: finite, > 0 and below `MAX_STEP_S` (a clock that stalls, is coarser
+    than a step or steps back gives 0 or less: such a time is dropped, never learned)."""
+    value = finite(seconds)
+    return value is not None and 0.0 < value <= MAX_STEP_S
 
 
 # ---- running estimates ----------------------------------------------------------------------------------------
@@ -100,6 +131,8 @@ class Mean:
     weight: float = 0.0
 
     def add(self, value: float, decay: float, weight: float = 1.0) -> None:
+        if finite(value) is None or finite(weight) is None:  # NaN or infinity would poison the mean for good
+            return
         self.total = self.total * decay + value * weight
         self.weight = self.weight * decay + weight
 
@@ -117,15 +150,47 @@ class Mean:
         return [self.total, self.weight]
 
     @classmethod
-    def from_list(cls, raw, name: str, minimum: float) -> "Mean":
-        """From [total, weight] with weight >= 0 and, when it is > 0, mean >= `minimum`; DartInputError otherwise."""
-        if not isinstance(raw, list) or len(raw) != 2 or any(
-                isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) for x in raw):
-            raise DartInputError(f"{name} is {raw!r}, not [total, weight] of two finite numbers")
-        mean = cls(float(raw[0]), float(raw[1]))
-        if mean.weight < 0 or (mean.weight > 0 and not mean.value >= minimum):
-            raise DartInputError(f"{name} is {raw!r}: the weight must be >= 0 and the mean >= {minimum}")
+    def from_list(cls, raw, name: str, minimum: float, maximum: float = math.inf,
+                  max_weight: float = math.inf) -> "Mean":
+        """From [total, weight] with 0 <= weight <= `max_weight` and, when it is > 0, `minimum` <= mean <=
+        `maximum`; DartInputError otherwise."""
+        values = [finite(x) for x in raw] if isinstance(raw, list) and len(raw) == 2 else [None]
+        if None in values:
+            raise DartInputError(f"{name} is {_shown(raw)}, not [total, weight] of two finite numbers")
+        mean = cls(*values)
+        if not 0 <= mean.weight <= max_weight or (mean.weight > 0 and not minimum <= mean.value <= maximum):
+            raise DartInputError(f"{name} is {_shown(raw)}: the weight must be in 0..{max_weight:g} and the mean in "
+                                 f"{minimum:g}..{maximum:g}")
         return mean
+
+
+def _shown(raw) -> str:
+    """`raw` for a message, cut short (a hostile file's value may be huge or deeply nested)."""
+    try:
+        text = json.dumps(raw)
+    except (ValueError, TypeError, RecursionError):
+        text = type(raw).__name__
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _int_key(raw: str, low: int, high: int) -> Optional[int]:
+    """The integer a JSON object key spells when it is in `low`..`high`, else None."""
+    try:
+        value = int(raw)
+    except (TypeError, ValueError):
+        return None
+    return value if low <= value <= high else None
+
+
+def _time_ok(value) -> Optional[float]:
+    """A wall-clock time an entry was updated: finite, >= 0, and not ahead of this clock by more than a day."""
+    out = finite(value)
+    return out if out is not None and 0 <= out <= time.time() + FUTURE_SLACK_S else None
+
+
+def _weight_limit(decay: float) -> float:
+    """The most weight a `Mean` that fades by `decay` can hold (its observations' saturation, the prior on top)."""
+    return 1.0 / (1.0 - decay) + PRIOR_TAU_WEIGHT
 
 
 def fit_line(points: list[tuple[float, float, float]]) -> Optional[tuple[float, float]]:
@@ -180,29 +245,42 @@ class Regime:
                 "plain_calls": self.plain_calls, "updated": self.updated}
 
     @classmethod
-    def from_dict(cls, raw, name: str) -> "Regime":
+    def from_dict(cls, raw, name: str, problems: list[str]) -> "Regime":
+        """The regime a learned-state file holds. DartInputError where its own fields (mode, probe counts, update
+        time) do not validate; an estimate that does not (a step time or ratio that is not a finite number in range,
+        a tree size outside 1..`MAX_TREE_NODES`) is left out and named in `problems`."""
         if not isinstance(raw, dict):
             raise DartInputError(f"{name} is not an object")
-        try:
-            steps = {int(r): Mean.from_list(m, f"{name}.steps[{r}]", 1e-9) for r, m in raw["steps"].items()}
-            regime = cls(Mean.from_list(raw["plain"], f"{name}.plain", 1e-9), steps,
-                         Mean.from_list(raw["scale"], f"{name}.scale", 1e-9), raw["mode"], raw["probe_after"],
-                         raw["plain_calls"], raw["updated"])
-        except (KeyError, AttributeError, ValueError, TypeError) as err:
-            if isinstance(err, DartInputError):
-                raise
-            raise DartInputError(f"{name}: malformed ({type(err).__name__}: {err})") from None
-        if any(r < 1 for r in steps):
-            raise DartInputError(f"{name}: tree sizes must be >= 1")
-        if regime.mode not in ("dart", "plain"):
-            raise DartInputError(f"{name}.mode is {regime.mode!r}, not 'dart' or 'plain'")
-        for field, low, high in (("probe_after", 1, MAX_PROBE_AFTER), ("plain_calls", 0, 10**9)):
-            value = getattr(regime, field)
+        mode, probe_after, plain_calls = raw.get("mode"), raw.get("probe_after"), raw.get("plain_calls")
+        if mode not in ("dart", "plain"):
+            raise DartInputError(f"{name}.mode is {_shown(mode)}, not 'dart' or 'plain'")
+        for field, value, low, high in (("probe_after", probe_after, 1, MAX_PROBE_AFTER),
+                                        ("plain_calls", plain_calls, 0, 10**9)):
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-                raise DartInputError(f"{name}.{field} is {value!r}, not an integer in {low}..{high}")
-        if isinstance(regime.updated, bool) or not isinstance(regime.updated, (int, float)) \
-                or not math.isfinite(regime.updated):
-            raise DartInputError(f"{name}.updated is not a number")
+                raise DartInputError(f"{name}.{field} is {_shown(value)}, not an integer in {low}..{high}")
+        updated = _time_ok(raw.get("updated"))
+        if updated is None:
+            raise DartInputError(f"{name}.updated is {_shown(raw.get('updated'))}, not a time up to now")
+        regime = cls(mode=mode, probe_after=probe_after, plain_calls=plain_calls, updated=updated)
+        limit = _weight_limit(STEP_DECAY)
+        for field, low, high in (("plain", 1e-9, MAX_STEP_S), ("scale", *SCALE_RANGE)):
+            try:
+                setattr(regime, field, Mean.from_list(raw.get(field), f"{name}.{field}", low, high, limit))
+            except DartInputError as err:
+                problems.append(str(err))
+        steps = raw.get("steps")
+        if not isinstance(steps, dict):
+            problems.append(f"{name}.steps is not an object")
+            steps = {}
+        for r, m in steps.items():
+            size = _int_key(r, 1, MAX_TREE_NODES)
+            if size is None:
+                problems.append(f"{name}.steps has a tree size {_shown(r)}, not 1..{MAX_TREE_NODES}")
+                continue
+            try:
+                regime.steps[size] = Mean.from_list(m, f"{name}.steps[{r}]", 1e-9, MAX_STEP_S, limit)
+            except DartInputError as err:
+                problems.append(str(err))
         return regime
 
 
@@ -212,9 +290,15 @@ def choose_tree_size(tau: dict[int, float], step_s: dict[int, float], plain_s: O
                      ) -> tuple[int, list[dict]]:
     """R* = argmax_R tau(R) / step_s(R) over the sizes both know (ties: the smaller R) -> (R*, one row per such R:
     {remain_total, tau, step_ms, tokens_per_s, speedup}); speedup = tau x plain_s / step_s (None without plain_s).
-    tau {R: tokens per sequence and step}; step_s {R: seconds of one step}; plain_s: seconds of one plain step."""
+    tau {R: tokens per sequence and step}; step_s {R: seconds of one step}; plain_s: seconds of one plain step.
+    A size whose tau is not a finite number or whose step time is not finite and > 0 is no estimate (left out); a
+    plain time that is not is unknown (None)."""
     rows = []
+    if not (finite(plain_s) or 0.0) > 0.0:
+        plain_s = None
     for r in sorted(set(tau) & set(step_s)):
+        if finite(tau[r]) is None or not (finite(step_s[r]) or 0.0) > 0.0:
+            continue
         rate = tau[r] / step_s[r]
         rows.append({"remain_total": r, "tau": tau[r], "step_ms": step_s[r] * 1e3, "tokens_per_s": rate,
                      "speedup": None if plain_s is None else rate * plain_s})
@@ -300,6 +384,7 @@ class SpeedController:
         self.warm: set[tuple] = set()  # (regime key, size) timed once in this process (0: plain)
         self.dirty = False
         self.last_save = now()
+        self.file_warned = False  # one DartCacheWarning about the learned-state file per controller
         if path is not None:
             self._load()
 
@@ -365,7 +450,7 @@ class SpeedController:
     def best(self, key: tuple[int, int], sampled: bool) -> Optional[tuple[int, list[dict]]]:
         """(R*, rows) in regime `key` (`choose_tree_size`), or None while no size has both estimates."""
         tau = self.tau_of(sampled)
-        steps = {r: s for r in tau if (s := self.step_s(key, r)) is not None}
+        steps = {r: s for r in tau if (s := self.step_s(key, r)) is not None and (finite(s) or 0.0) > 0.0}
         if not steps:
             return None
         return choose_tree_size(tau, steps, self.plain_s(key))
@@ -386,24 +471,27 @@ class SpeedController:
         return True
 
     def observe_plain(self, key: tuple[int, int], seconds: float, cold_ok: bool = False) -> None:
-        """A plain step took `seconds` in regime `key` (`cold_ok`: a median of several, no one-off costs)."""
+        """A plain step took `seconds` in regime `key` (`cold_ok`: a median of several, no one-off costs); a time
+        that is not a step's (`step_seconds_ok`: a clock that stalled or stepped back) is dropped."""
         with self.lock:
             regime = self.regimes[key] if key in self.regimes else self.regime(*key)
-            if self.cold(key, 0) and not cold_ok:
+            if (self.cold(key, 0) and not cold_ok) or not step_seconds_ok(seconds):
                 return
             regime.plain.add_robust(seconds, STEP_DECAY)
             regime.updated, self.dirty = time.time(), True
 
     def observe_step(self, key: tuple[int, int], size: int, seconds: float, ranks: list[list[int]],
                      sampled: bool) -> None:
-        """A DART step at `size` took `seconds` and accepted nodes of `ranks` (per sequence)."""
+        """A DART step at `size` took `seconds` and accepted nodes of `ranks` (per sequence); a time that is not a
+        step's (`step_seconds_ok`: a clock that stalled or stepped back) is dropped, what the step accepted is not."""
         with self.lock:
             regime = self.regimes[key]
-            if not self.cold(key, size):
+            if not self.cold(key, size) and step_seconds_ok(seconds):
                 regime.steps.setdefault(size, Mean()).add_robust(seconds, STEP_DECAY)
                 prior = self.prior_step_s(key, size)
-                if prior is not None:
-                    regime.scale.add_robust(seconds / prior, STEP_DECAY)
+                ratio = None if prior is None else finite(seconds / prior)
+                if ratio is not None and SCALE_RANGE[0] <= ratio <= SCALE_RANGE[1]:
+                    regime.scale.add_robust(ratio, STEP_DECAY)
             table = self.tau[sampled]
             for row in ranks:
                 for r in self.sizes:
@@ -482,9 +570,10 @@ class SpeedController:
                         for name, s in (("greedy", False), ("sampled", True))},
                 "regimes": {f"{b}x{c}": regime.to_dict() for (b, c), regime in sorted(self.regimes.items())}}
 
-    def _adopt(self, raw: dict, newer_only: bool) -> None:
-        """Take the entries of a saved state (validated first, whole) that are newer than this one's."""
-        tau, regimes = parse_learned(raw, self.ident)
+    def _adopt(self, raw, newer_only: bool) -> list[str]:
+        """Take the entries of a saved state that validate and are newer than this one's (`parse_learned`: a state
+        that is not this controller's raises DartInputError, whole); what was left out of it."""
+        tau, regimes, problems = parse_learned(raw, self.ident, self.sizes)
         for sampled, (updated, table) in tau.items():
             if not newer_only or updated > self.tau_updated[sampled]:
                 self.tau[sampled] = {**self.tau[sampled], **table} if not newer_only else table
@@ -495,62 +584,102 @@ class SpeedController:
                 if mine is not None:
                     regime.count = mine.count
                 self.regimes[key] = regime
+        return problems
 
-    def _load(self) -> None:
+    def _warn_file(self, what: str) -> None:
+        """The one `DartCacheWarning` of this controller about its learned-state file."""
+        if not self.file_warned:
+            self.file_warned = True
+            warnings.warn(f"ignoring the learned speed estimates {self.path}{what}", DartCacheWarning, stacklevel=4)
+
+    def _read(self, newer_only: bool) -> None:
+        """Adopt what the file holds (`_adopt`), warning once about anything in it left out."""
         try:
             raw = read_cache_file(self.path)
-            if raw is not NO_FILE:
-                self._adopt(raw, newer_only=False)
-        except (ValueError, DartInputError) as err:
-            warnings.warn(f"ignoring the learned speed estimates {self.path}: {err}; they are learned again",
-                          DartCacheWarning, stacklevel=3)
+            problems = [] if raw is NO_FILE else self._adopt(raw, newer_only)
+        except (ValueError, DartInputError) as err:  # malformed JSON, nested too deeply, another state
+            self._warn_file(f": {err}; " + ("this process's replace them" if newer_only else "they are learned again"))
+            return
+        if problems:
+            more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+            self._warn_file(f" that do not validate ({'; '.join(problems[:3])}{more}); the rest is kept")
+
+    def _load(self) -> None:
+        self._read(newer_only=False)
 
     def save(self, force: bool = False) -> None:
         """Merge with what is on disk (newer entries win) and write, when something changed and `SAVE_EVERY_S` has
-        passed (`force`: whenever something changed)."""
+        passed (`force`: whenever something changed). Never raises: a file that does not validate is replaced by
+        this state, one that cannot be written leaves it in memory (`write_cache_file`), and any other failure
+        keeps it to be written by a later save (each with one `DartCacheWarning` per controller)."""
         with self.lock:
             if self.path is None or not self.dirty or (not force and now() - self.last_save < SAVE_EVERY_S):
                 return
-            with _file_lock(self.path):
-                try:
-                    raw = read_cache_file(self.path)
-                    if raw is not NO_FILE:
-                        self._adopt(raw, newer_only=True)
-                except (ValueError, DartInputError):
-                    pass  # a damaged file is replaced by this state
-                write_cache_file(self.path, self.state())
-            self.dirty, self.last_save = False, now()
+            try:
+                with _file_lock(self.path):
+                    self._read(newer_only=True)
+                    write_cache_file(self.path, self.state())
+                self.dirty = False
+            except Exception as err:  # noqa: BLE001 -- a call's output is never lost to its save
+                self._warn_file(f" could not be saved ({type(err).__name__}: {err}); they are kept in memory")
+            self.last_save = now()
 
 
-def parse_learned(raw, ident: dict) -> tuple[dict, dict]:
-    """({sampled: (updated, {size: Mean})}, {regime key: Regime}) from a learned-state file; DartInputError naming
-    what is wrong."""
+def parse_learned(raw, ident: dict, sizes: Iterable[int] = range(1, MAX_TREE_NODES + 1)
+                  ) -> tuple[dict, dict, list[str]]:
+    """({sampled: (updated, {size: Mean})}, {regime key: Regime}, problems) from a learned-state file: DartInputError
+    naming what is wrong where it is not a learned state of this `ident` (not an object, another version or
+    identity); otherwise every entry that does not validate (a value that is not a finite number in its range, a
+    tree size not among `sizes` (tau) or not in 1..`MAX_TREE_NODES` (step times), a regime key that is not a
+    bucket) is left out, and `problems` names each."""
     if not isinstance(raw, dict):
         raise DartInputError(f"not a learned state (a JSON {type(raw).__name__}, not an object)")
     if raw.get("version") != LEARNED_VERSION:
-        raise DartInputError(f"format version {raw.get('version')!r}, not {LEARNED_VERSION}")
+        raise DartInputError(f"format version {_shown(raw.get('version'))}, not {LEARNED_VERSION}")
     if raw.get("identity") != ident:
         raise DartInputError("it was learned for another target, head or machine setting")
-    try:
-        tau = {}
-        for name, sampled in (("greedy", False), ("sampled", True)):
-            entry = raw["tau"][name]
-            updated = entry["updated"]
-            if isinstance(updated, bool) or not isinstance(updated, (int, float)) or not math.isfinite(updated):
-                raise DartInputError(f"tau.{name}.updated is not a number")
-            tau[sampled] = (float(updated), {int(r): Mean.from_list(m, f"tau.{name}[{r}]", 1.0)
-                                             for r, m in entry["sizes"].items()})
-        regimes = {}
-        for name, regime in raw["regimes"].items():
-            b, c = (int(x) for x in name.split("x"))
-            if b < 1 or c < 1:
-                raise DartInputError(f"regime {name!r}: sizes must be >= 1")
-            regimes[(b, c)] = Regime.from_dict(regime, f"regimes[{name}]")
-    except (KeyError, AttributeError, TypeError, ValueError) as err:
-        if isinstance(err, DartInputError):
-            raise
-        raise DartInputError(f"malformed ({type(err).__name__}: {err})") from None
-    return tau, regimes
+    sizes = set(sizes)
+    problems: list[str] = []
+    tau = {}
+    tables = raw.get("tau") if isinstance(raw.get("tau"), dict) else {}
+    for name, sampled in (("greedy", False), ("sampled", True)):
+        entry = tables.get(name)
+        if not isinstance(entry, dict) or not isinstance(entry.get("sizes"), dict):
+            problems.append(f"tau.{name} is not an object of sizes")
+            continue
+        updated = _time_ok(entry.get("updated"))
+        if updated is None:
+            problems.append(f"tau.{name}.updated is {_shown(entry.get('updated'))}, not a time up to now")
+            continue
+        table = {}
+        for r, m in entry["sizes"].items():
+            size = _int_key(r, 1, MAX_TREE_NODES)
+            if size not in sizes:
+                problems.append(f"tau.{name} has tree size {_shown(r)}, not one of this controller's tree sizes "
+                                f"({min(sizes)}..{max(sizes)})")
+                continue
+            try:  # a tree of R nodes yields at most R + 1 tokens a step (the mean's rounding aside)
+                table[size] = Mean.from_list(m, f"tau.{name}[{r}]", 1.0, (size + 1.0) * (1 + 1e-9),
+                                             _weight_limit(TAU_DECAY))
+            except DartInputError as err:
+                problems.append(str(err))
+        tau[sampled] = (updated, table)
+    regimes = {}
+    entries = raw.get("regimes")
+    if not isinstance(entries, dict):
+        problems.append("regimes is not an object")
+        entries = {}
+    for name, regime in entries.items():
+        parts = name.split("x")
+        b, c = (_int_key(x, 1, MAX_BUCKET) for x in parts) if len(parts) == 2 else (None, None)
+        if b is None or c is None or (b, c) != regime_key(b, c):
+            problems.append(f"regime {_shown(name)} is not a (batch, context) bucket")
+            continue
+        try:
+            regimes[(b, c)] = Regime.from_dict(regime, f"regimes[{name}]", problems)
+        except DartInputError as err:
+            problems.append(str(err))
+    return tau, regimes, problems
 
 
 @contextlib.contextmanager
@@ -653,9 +782,10 @@ class CallPolicy:
             self.dart_steps[key] = self.dart_steps.get(key, 0) + 1
             tokens = 1.0 + sum(map(len, accepted_ranks)) / max(len(accepted_ranks), 1)
             recent = self.recent.setdefault(key, [])
-            recent.append((tokens, seconds))
-            del recent[:-WINDOW]
-            if self.dart_steps[key] < WINDOW:
+            if step_seconds_ok(seconds):  # a clock that stalled or stepped back times nothing
+                recent.append((tokens, seconds))
+                del recent[:-WINDOW]
+            if self.dart_steps[key] < WINDOW or not recent:
                 return
             expected, plain = ctrl.expected(key, self.sampled), ctrl.plain_s(key)
             if expected is None or plain is None:
@@ -689,7 +819,10 @@ class PlainClock(StoppingCriteria):
         for (t0, _, _), (t1, batch, length) in zip(self.marks, self.marks[1:]):
             by_regime.setdefault(regime_key(batch, length - 1), []).append(t1 - t0)
         for key, times in by_regime.items():
-            controller.observe_plain(key, statistics.median(times), cold_ok=len(times) >= 3)
+            seconds = statistics.median(times)
+            if not step_seconds_ok(seconds):  # a clock coarser than a step: the mean over the regime's steps
+                seconds = sum(times) / len(times)
+            controller.observe_plain(key, seconds, cold_ok=len(times) >= 3)  # a time <= 0 is dropped there
 
 
 # ---- one controller per target, head and machine setting ---------------------------------------------------------

@@ -276,10 +276,11 @@ def enable(model, head=None, *, ngram=None, tree_config: Optional[TreeConfig] = 
     if head is not False:
         from dart_hf.target import plan_for
 
-        from dart_hf.target import check_ngram_fits
+        from dart_hf.target import check_ngram_fits, check_tree_fits, tree_settings
 
         plan_for(model, head, tokenizer)
         options = DartOptions(head, ngram, tree_config)  # every refusal before the model changes
+        check_tree_fits(head, tree_settings(head, model.generation_config, tree_config))
         table = ngram if ngram is not None else head.ngram
         if table is not None:
             check_ngram_fits(table, model, tokenizer)

@@ -28,7 +28,7 @@ from dart_hf.compat import cache_from_caller, supports_logits_to_keep
 from dart_hf.processors import processor_refusal, row_processor
 from dart_hf.stopping import Stopper, pad_token
 from dart_hf.target import (AttentionLayout, TargetPlan, attention_layout, check_architecture, check_attention,
-                            check_cache, check_ngram_fits, crop_cache, hidden_state_request, keep_accepted_path, plan_for,
+                            check_cache, check_ngram_fits, check_tree_fits, crop_cache, hidden_state_request, keep_accepted_path, plan_for,
                             prompt_positions, sliding_dropped, tapped_hidden_states, tree_attention_mask, tree_forward, tree_forwards, tree_settings,
                             whole_sliding_layers)
 
@@ -378,6 +378,7 @@ def _start(call: Call) -> "Run":
     try:
         prepared = _prepare(call)
         tree_config = tree_settings(head, config, call.options.tree_config, call.options.context_draft)
+        check_tree_fits(head, tree_config)  # the head drafts this tree's top-k (refused before any work)
     except DartInputError as err:
         raise NotApplicable(str(err)) from None
     input_ids = call.input_ids.long()  # generate()'s output is int64 whatever integer type the prompt had

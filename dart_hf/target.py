@@ -56,6 +56,21 @@ def plan_for(model, head: Drafter, tokenizer=None) -> TargetPlan:
     return TargetPlan(layer_ids=tuple(layer_ids))
 
 
+def check_tree_fits(head: Drafter, tree_config: TreeConfig) -> None:
+    """DartInputError, naming both numbers, when `head` cannot draft trees of `tree_config` (what its drafting pass
+    or the tree search would refuse only after the prefill): a DART head's pass takes the best `topk` tokens of its
+    draft vocabulary at each level, so `topk` must not exceed that vocabulary. A drafter with a drafting pass of its
+    own (`Eagle3Head` takes at most its vocabulary; model-free drafting has none) is not checked here."""
+    from dart_core.head import DartHead
+
+    if not isinstance(head, DartHead) or type(head).draft is not DartHead.draft:
+        return
+    vocab = int(head.config.draft_vocab_size)
+    if tree_config.topk > vocab:
+        raise DartInputError(f"the tree settings take topk={tree_config.topk} candidates per level, more than the "
+                             f"head's draft vocabulary of {vocab} tokens (use TreeConfig(topk=...) of at most {vocab})")
+
+
 def check_ngram_fits(ngram, model, tokenizer=None) -> None:
     """DartInputError when the n-gram table `ngram` was not counted for `model`'s vocabulary or, given,
     `tokenizer` (`dart_core.ngram.check_ngram_tokenizer`: sizes, contents, special tokens)."""

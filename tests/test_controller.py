@@ -377,7 +377,10 @@ def test_a_damaged_learned_state_is_ignored_with_one_warning(tmp_path, damage):
         path.write_text(json.dumps(raw))
     with pytest.warns(DartCacheWarning, match="ignoring the learned speed estimates"):
         fresh = SpeedController(SIZES, prior_from(machine), None, 3, path=path, ident={"k": 1})
-    assert fresh.regimes == {}
+    if damage in ("text", "list", "version", "identity"):  # not this controller's state: ignored whole
+        assert fresh.regimes == {}
+    else:  # the bad entry alone is ignored (tests/test_controller_state.py)
+        assert fresh.regimes.get((1, 256)) != ctrl.regimes[(1, 256)] or 3 not in fresh.tau[False]
     fresh.regime(1, 100)
     fresh.dirty = True
     fresh.save(force=True)  # a damaged file is replaced
