@@ -80,7 +80,7 @@ def test_decoding_records_accepted_ranks():
 def test_tau_of_smaller_trees_is_exact_per_step(kind, context_draft):
     """The claim: from every state of a greedy R_max=60 run, a real run with remain_total=R accepts exactly the
     leading accepted nodes of rank < R. Each state is rebuilt by decoding from the prefix before its root."""
-    model = dart_hf.enable(tiny_target(), False)
+    model = dart_hf.enable(tiny_target(), False, store=False)  # each state rebuilt from its prefix alone
     new_tokens = 24
     plain = model.generate(PROMPT, max_new_tokens=new_tokens + 12, do_sample=False)
     head = random_head(model) if kind == "random" else oracle_head(model, plain[0], wrong_every=int(kind[-1]))
