@@ -833,27 +833,38 @@ _CONTROLLERS_LOCK = threading.Lock()
 _LIVE: "weakref.WeakSet[SpeedController]" = weakref.WeakSet()
 
 
-def _key(model, head: DartHead, context: Optional[bool]) -> tuple:
-    """The controller's key; `context` None: the head's own tree settings decide (`context_drafting`)."""
+def _key(model, head: DartHead, context: Optional[bool], store: bool = False) -> tuple:
+    """The controller's key; `context` None: the head's own tree settings decide (`context_drafting`); `store`: the
+    calls match a store of earlier outputs (with context drafting only)."""
     context = context_drafting(head) if context is None else context
     param = next(model.parameters())
     base = dataclasses.replace(base_tree_config(model, head), remain_total=1)
-    return id(model), param.dtype, param.device, torch.get_num_threads(), id(head.acceptance), base, context
+    return (id(model), param.dtype, param.device, torch.get_num_threads(), id(head.acceptance), base,
+            "store" if context and store else context)
 
 
-def existing_controller(model, head: DartHead, context: Optional[bool] = None) -> Optional[SpeedController]:
+def learned_path(ident: dict, sources) -> Path:
+    """Where the learned state of a controller of identity `ident` is kept, apart for calls without context drafting,
+    with it (`sources` True) and with a store of earlier outputs too ("store"; `_key`'s last field)."""
+    return cost_path(ident).with_suffix({"store": ".store-learned.json", True: ".context-learned.json",
+                                         False: ".learned.json"}[sources])
+
+
+def existing_controller(model, head: DartHead, context: Optional[bool] = None,
+                        store: bool = False) -> Optional[SpeedController]:
     """The controller of `head` on `model` here, for calls with context drafting on or off (`context`; None: as the
-    head's tree settings say), if a call made one (no measurement)."""
+    head's tree settings say) and with or without a store, if a call made one (no measurement)."""
     with _CONTROLLERS_LOCK:
-        return _CONTROLLERS.get(head, {}).get(_key(model, head, context))
+        return _CONTROLLERS.get(head, {}).get(_key(model, head, context, store))
 
 
-def controller_for(model, head: DartHead, context: Optional[bool] = None) -> SpeedController:
-    """The controller of `head` on `model` with this machine setting, for calls with context drafting on or off
-    (`context`: the trees, and so what they accept, differ; None: as the head's tree settings say): made at the first call, from the head's acceptance curve,
+def controller_for(model, head: DartHead, context: Optional[bool] = None, store: bool = False) -> SpeedController:
+    """The controller of `head` on `model` with this machine setting, for calls with context drafting on or off and
+    with or without a store of earlier outputs (`context`, `store`: the trees, and so what they accept, differ; None:
+    as the head's tree settings say): made at the first call, from the head's acceptance curve,
     the machine cost (measured and cached, `dart_hf.calibration.machine_cost`) and what earlier calls learned. A cost
     that cannot be measured leaves the controller without a prior (one warning)."""
-    key = _key(model, head, context)
+    key = _key(model, head, context, store)
     with _CONTROLLERS_LOCK:
         found = _CONTROLLERS.get(head, {}).get(key)
         if found is not None:
@@ -869,7 +880,7 @@ def controller_for(model, head: DartHead, context: Optional[bool] = None) -> Spe
         largest = max(curve.tau) if curve is not None else base.remain_total
         sizes = [r for r in CANDIDATES if r <= largest] + ([largest] if largest not in CANDIDATES else [])
         ident = identity(model, head)
-        path = cost_path(ident).with_suffix(".context-learned.json" if key[-1] else ".learned.json")
+        path = learned_path(ident, key[-1])
         controller = SpeedController(sizes, cost, curve, start_size=base.remain_total, path=path, ident=ident)
         _CONTROLLERS.setdefault(head, {})[key] = controller
         _LIVE.add(controller)

@@ -79,8 +79,9 @@ class DartGenerationMixin:
                 raise ValueError(f"dart_head cannot be combined with {clash}=")
             return self._plain_generate(f"the call passes {clash}=", inputs, generation_config, kwargs)
         context = context_drafting(options.head, options.tree_config, options.context_draft)
+        stored = isinstance(options.store, OutputStore)  # earlier outputs change what trees accept: apart estimates
         if options.tree_config is None:  # each step's tree chosen by what DART measures here (dart_hf.controller)
-            controller = existing_controller(self, options.head, context)
+            controller = existing_controller(self, options.head, context, stored)
             mode, reason = "dart", None
             if controller is not None and not explicit:
                 mode, reason = controller.call_mode(*_call_shape(inputs, kwargs))
@@ -89,11 +90,11 @@ class DartGenerationMixin:
                 remember_outputs(options.store, inputs, kwargs, result, self._call_eos(generation_config, kwargs))
                 return result
             # the controller is made (its first-call measurement) once the call's checks have passed
-            policy = CallPolicy(functools.partial(controller_for, self, options.head, context),
+            policy = CallPolicy(functools.partial(controller_for, self, options.head, context, stored),
                                 may_go_plain=not explicit,
                                 probe=mode == "probe")
         else:  # a fixed tree; it teaches the controller, where a call made one
-            controller = existing_controller(self, options.head, context)
+            controller = existing_controller(self, options.head, context, stored)
             policy = None if controller is None else CallPolicy(lambda: controller, may_go_plain=False,
                                                                 fixed=options.tree_config.remain_total)
         dart_kwargs = dict(kwargs)

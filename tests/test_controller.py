@@ -453,7 +453,7 @@ def test_an_attached_head_that_cannot_pay_finishes_plain_with_one_warning(tmp_pa
     fallbacks = [w for w in caught if issubclass(w.category, DartFallbackWarning)]
     assert len(fallbacks) == 1 and "does not beat plain decoding" in str(fallbacks[0].message)
     assert fallbacks[0].filename == __file__  # it points at the caller's line
-    regime = controller_module.existing_controller(attached, head).regimes[(1, 256)]
+    regime = controller_module.existing_controller(attached, head, store=True).regimes[(1, 256)]
     assert regime.mode == "plain"
     assert stats is None or stats.plain_steps > 0  # the last call ran plain, or probed and finished plain
     # asked for by name, the head decodes with DART all the same (tree sizes still adapt)

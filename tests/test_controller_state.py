@@ -18,7 +18,7 @@ from dart_core import AcceptanceCurve, Eagle3Head, TreeConfig
 from dart_core.config import MAX_TREE_NODES
 from dart_core.errors import DartInputError
 from dart_hf import DartCacheWarning, DartFallbackWarning
-from dart_hf.calibration import MachineCost, cost_path, identity, save_machine_cost
+from dart_hf.calibration import MachineCost, identity, save_machine_cost
 from dart_hf.controller import CallPolicy, Mean, PlainClock, SpeedController, choose_tree_size, regime_key
 from dart_hf.loop import NotApplicable
 from dart_hf.target import context_drafting
@@ -268,8 +268,7 @@ def model_and_head(tmp_path, monkeypatch, remain_total=None):
 
 
 def learned_path(model, head):
-    suffix = ".context-learned.json" if context_drafting(head) else ".learned.json"
-    return cost_path(identity(model, head)).with_suffix(suffix)
+    return controller_module.learned_path(identity(model, head), "store" if context_drafting(head) else False)
 
 
 def write_learned(model, head, damage=None, step_s=0.002) -> None:
@@ -305,7 +304,7 @@ def test_numbers_too_large_for_a_float_never_fail_a_call(tmp_path, monkeypatch, 
     else:
         out, caught = generate_all(dart_hf.enable(model, head))
     assert torch.equal(out, plain) and len(cache_warnings(caught)) == 1
-    ctrl = controller_module.existing_controller(model, head)
+    ctrl = controller_module.existing_controller(model, head, store=True)
     assert ctrl.regimes[(8, 256)].steps[60].weight > 0  # the rest of the file is kept
 
 
@@ -333,7 +332,7 @@ def test_a_file_replaced_under_a_running_process_never_loses_a_calls_output(tmp_
     assert torch.equal(out, plain) and cache_warnings(caught) == []
     path = learned_path(model, head)
     path.write_text("[" * 100000 + "]" * 100000)
-    ctrl = controller_module.existing_controller(attached, head)
+    ctrl = controller_module.existing_controller(attached, head, store=True)
     ctrl.last_save = -1e9  # the next call's save is due
     out, caught = generate_all(attached)
     assert torch.equal(out, plain) and len(cache_warnings(caught)) == 1
@@ -428,7 +427,7 @@ def test_a_stalled_loop_clock_never_fails_a_call(tmp_path, monkeypatch):
     for _ in range(3):
         out, _ = generate_all(attached)
         assert torch.equal(out, plain)
-    regime = controller_module.existing_controller(attached, head).regimes[(1, 256)]
+    regime = controller_module.existing_controller(attached, head, store=True).regimes[(1, 256)]
     assert regime.plain.weight == 0 and all(m.weight == 0 for m in regime.steps.values())
 
 
@@ -493,7 +492,7 @@ def test_an_attached_head_whose_tree_it_cannot_draft_runs_plain_with_one_warning
     fallbacks = [w for w in caught if issubclass(w.category, DartFallbackWarning)]
     assert torch.equal(out, plain)
     assert len(fallbacks) == 1 and "topk=25" in str(fallbacks[0].message) and "20" in str(fallbacks[0].message)
-    assert attached.dart_stats is None and controller_module.existing_controller(attached, head) is None
+    assert attached.dart_stats is None and controller_module.existing_controller(attached, head, store=True) is None
 
 
 def test_a_drafter_that_takes_at_most_its_vocabulary_is_not_refused():
