@@ -23,6 +23,7 @@ the store's peak memory (tracemalloc, rebuilding the largest store the run held)
 
 from __future__ import annotations
 
+import copy
 import sys
 import tracemalloc
 from pathlib import Path
@@ -56,17 +57,17 @@ def load_model(path):
 
 
 def methods(head, ngram) -> dict:
-    """name -> (drafter or None, store: an OutputStore, False, or None for plain, extra generate() arguments)."""
-    free = ModelFreeDrafter()
+    """name -> (drafter or None, store: an OutputStore, False, or None for plain, extra generate() arguments). Each
+    method has its own drafter object, so each learns its own speed estimates (the controller is kept per drafter)."""
     out = {"plain": (None, None, {}),
            "prompt_lookup": (None, None, dict(prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS)),
-           "mf_context": (free, False, {}),
-           "mf_store": (free, OutputStore(), {})}
+           "mf_context": (ModelFreeDrafter(), False, {}),
+           "mf_store": (ModelFreeDrafter(), OutputStore(), {})}
     if ngram is not None:
         out["mf_ngram"] = (ModelFreeDrafter(ngram), OutputStore(), {})
     if head is not None:
         out["head"] = (head, False, {})
-        out["head_store"] = (head, OutputStore(), {})
+        out["head_store"] = (copy.deepcopy(head), OutputStore(), {})
     return out
 
 
