@@ -83,17 +83,7 @@ def reference_context_paths(tokens, cfg):
         if cfg.eos_token_id is not None and cfg.eos_token_id in cont:
             cont = cont[:cont.index(cfg.eos_token_id) + 1]
         conts.append(tuple(cont))
-    paths = {}
-    for cont in conts:
-        for d in range(1, len(cont) + 1):
-            path = cont[:d]
-            if path in paths:
-                continue
-            reach = sum(1 for c in conts if c[:d] == path)
-            siblings = sum(1 for c in conts if len(c) >= d and c[:d - 1] == path[:-1])
-            parent = paths.get(path[:-1], 0.0)
-            paths[path] = parent + cfg.level_weight(d - 1) * math.log(m * reach / (1 + m * siblings))
-    return paths
+    return {path: score for path, (score, _) in _score_trie(m, conts, [0] * len(conts), cfg).items()}
 
 
 def reference_merged_tree(tokens, probs, context, trie, cfg, row_tokens):

@@ -159,3 +159,13 @@ def _tiny(model_type: str, seed: int, keep: tuple[str, ...], overrides: dict):
     generation = model.generation_config
     generation.eos_token_id = generation.pad_token_id = generation.bos_token_id = None
     return model
+
+
+def left_padded(prompts: list[torch.Tensor], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts of different lengths as one left-padded batch: (ids [B, T] padded with `pad`, attention mask [B, T])."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):], mask[i, width - len(p):] = p, 1
+    return ids, mask

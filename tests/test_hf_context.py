@@ -6,7 +6,7 @@ import torch
 
 import dart_hf
 from dart_core import TreeConfig
-from hf_models import random_head, tiny_target
+from hf_models import left_padded, random_head, tiny_target
 from test_hf import chi_square_pvalue, exact_two_token_distribution, lossy_verify
 
 CONTEXT_TREE = TreeConfig(topk=4, beam_width=4, remain_total=12, context_draft=True, context_depth=8)
@@ -20,15 +20,6 @@ def copying_prompts(seed: int, rows: int) -> list[torch.Tensor]:
         phrase = torch.randint(3, 90, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g)
         out.append(phrase.repeat(3))
     return out
-
-
-def left_padded(prompts: list[torch.Tensor], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad)
-    mask = torch.zeros(len(prompts), width, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):], mask[i, width - len(p):] = p, 1
-    return ids, mask
 
 
 @pytest.mark.parametrize("rows", [1, 2, 4])

@@ -28,7 +28,7 @@ from dart_core.context import (SOURCE_CONTEXT, SOURCE_NGRAM, SOURCE_STORE, Conte
 from dart_core.model_free import DEFAULT_TREE
 from dart_core.reference import DictTrie, reference_context_paths, reference_proposal_tree, reference_store_paths
 from dart_core.tree import proposal_trees
-from hf_models import tiny_target
+from hf_models import left_padded, tiny_target
 from test_hf import chi_square_pvalue, exact_two_token_distribution, lossy_verify
 from test_tree import check_structure
 
@@ -659,15 +659,6 @@ def repeating_prompts(seed: int, rows: int, vocab: int = 96) -> list[torch.Tenso
                                                                                               generator=g)),),
                                                                      generator=g))))
     return out
-
-
-def left_padded(prompts: list[torch.Tensor], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad)
-    mask = torch.zeros(len(prompts), width, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):], mask[i, width - len(p):] = p, 1
-    return ids, mask
 
 
 GREEDY = dict(max_new_tokens=40, do_sample=False, pad_token_id=0)
