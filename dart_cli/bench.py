@@ -9,6 +9,7 @@ from pathlib import Path
 
 from dart_bench import METHODS, PROMPT_SETS
 from dart_cli.errors import UsageError
+from dart_cli.numbers import checked, integer, real
 from dart_cli.threads import set_threads
 
 
@@ -24,12 +25,12 @@ def add_bench(sub) -> None:
                    help="directory with mt_bench_questions.jsonl, humaneval.jsonl and gsm8k.jsonl (default: the "
                         "sets shipped in dart_bench/data)")
     p.add_argument("--sets", nargs="+", choices=PROMPT_SETS, default=list(PROMPT_SETS), help="prompt sets")
-    p.add_argument("--per-set", type=int, default=6, help="prompts per set (default 6)")
+    p.add_argument("--per-set", type=integer(1), default=6, help="prompts per set (default 6)")
     p.add_argument("--methods", nargs="+", choices=METHODS,
                    help="methods (default: all; without --eagle3 all but eagle3); plain is always included")
-    p.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0], help="default: 0 1")
-    p.add_argument("--repeats", type=int, default=3, help="repeats of the whole grid (default 3)")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="default 128")
+    p.add_argument("--temperatures", nargs="+", type=real(0.0), default=[0.0, 1.0], help="default: 0 1")
+    p.add_argument("--repeats", type=integer(1), default=3, help="repeats of the whole grid (default 3)")
+    p.add_argument("--max-new-tokens", type=integer(1), default=128, help="default 128")
     p.add_argument("--head", metavar="DIR", help="DART head directory (default: the shipped one)")
     p.add_argument("--eagle3", metavar="DIR", help="EAGLE3-style drafter directory (dart-spec train --mode eagle3)")
     p.add_argument("--no-calibrate", action="store_false", dest="calibrate",
@@ -37,10 +38,11 @@ def add_bench(sub) -> None:
                         "first when missing): DART's node count; the EAGLE3-style drafter's node count for each of "
                         "a few (topk, depth) searches, keeping the fastest")
     p.add_argument("--recalibrate", action="store_true", help="measure the tree sizes again even when cached")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed base (default 0)")
+    p.add_argument("--threads", type=integer(1), default=1, help="torch CPU threads (default 1)")
+    p.add_argument("--seed", type=integer(0, 2**63 - 1), default=0,
+                   help="sampling seed base, 0..2**63-1 (default 0)")
     p.add_argument("--no-charts", action="store_false", dest="charts", help="skip the PNG charts (no matplotlib)")
-    p.set_defaults(run=_run_bench, reads=("data", "head", "eagle3"), writes="out")
+    p.set_defaults(run=checked(p, _run_bench), reads=("data", "head", "eagle3"), writes="out")
 
 
 def _run_bench(args: argparse.Namespace) -> int:

@@ -7,6 +7,7 @@ import json
 import os
 
 from dart_cli.errors import UsageError
+from dart_cli.numbers import checked, integer
 from dart_cli.threads import set_threads
 
 
@@ -21,10 +22,10 @@ def add_calibrate(sub) -> None:
     p.add_argument("--target", default="smollm2", help="'smollm2' (default) or a local transformers model directory")
     p.add_argument("--prompts", metavar="FILE.jsonl",
                    help="prompts, one JSON object per line with a \"prompt\" string (default: built-in chat prompts)")
-    p.add_argument("--max-nodes", type=int, default=60, help="the largest tree measured (default 60)")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per prompt (default 128)")
-    p.add_argument("--threads", type=int, metavar="N", help="torch CPU threads")
-    p.set_defaults(run=_run_calibrate, reads=("target", "prompts"))
+    p.add_argument("--max-nodes", type=integer(1), default=60, help="the largest tree measured (default 60)")
+    p.add_argument("--max-new-tokens", type=integer(1), default=128, help="tokens per prompt (default 128)")
+    p.add_argument("--threads", type=integer(1), metavar="N", help="torch CPU threads")
+    p.set_defaults(run=checked(p, _run_calibrate), reads=("target", "prompts"))
 
 
 def _run_calibrate(args: argparse.Namespace) -> int:
@@ -50,7 +51,7 @@ def _run_calibrate(args: argparse.Namespace) -> int:
     head = DartHead.from_pretrained(args.head, device=param.device)
     head.to(dtype=default_head_dtype(head, param.dtype, param.device))
     head.set_input_embeddings(model.get_input_embeddings())
-    curve = measure_acceptance(enable(model), tokenizer, head.eval(), prompts, max_nodes=args.max_nodes,
+    curve = measure_acceptance(enable(model, False), tokenizer, head.eval(), prompts, max_nodes=args.max_nodes,
                                max_new_tokens=args.max_new_tokens, progress=True)
     check_rewritable(config_file)
     config = read_json_object(config_file)

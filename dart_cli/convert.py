@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from dart_cli.numbers import checked, integer, seed
 from dart_core.io import WEIGHT_DTYPES
 
 
@@ -29,9 +30,9 @@ def add_convert(sub) -> None:
     o.add_argument("--target", metavar="TARGET_DIR",
                    help="local HF target model directory (config.json): check hidden size, vocab, layers and d2t, "
                         "record the taps and take the EOS id")
-    o.add_argument("--eos-token-id", type=int, help="EOS id for the tree search (default: the target's)")
+    o.add_argument("--eos-token-id", type=integer(0), help="EOS id for the tree search (default: the target's)")
     _common(o)
-    o.set_defaults(run=_run_official, reads=("src", "ngram", "target"), writes="dst")
+    o.set_defaults(run=checked(o, _run_official), reads=("src", "ngram", "target"), writes="dst")
 
     t = kinds.add_parser(
         "trie", help="official .trie n-gram -> this project's n-gram file (streamed)",
@@ -40,10 +41,10 @@ def add_convert(sub) -> None:
                     "written atomically. Corrupt or truncated input fails naming the byte offset.")
     t.add_argument("src", metavar="SRC.trie", help="official n-gram trie")
     t.add_argument("dst", metavar="DST", help="output file (e.g. ngram.safetensors)")
-    t.add_argument("--vocab-size", type=int, metavar="N",
+    t.add_argument("--vocab-size", type=integer(1), metavar="N",
                    help="token ids must lie below N (default: max token id + 1)")
     t.add_argument("--force", action="store_true", help="replace DST if it exists")
-    t.set_defaults(run=_run_trie, reads=("src",), writes="dst")
+    t.set_defaults(run=checked(t, _run_trie), reads=("src",), writes="dst")
 
     s = kinds.add_parser(
         "sglang", help="DART head directory (ours or official) -> SGLang DART plugin directory",
@@ -53,14 +54,15 @@ def add_convert(sub) -> None:
     s.add_argument("src", metavar="SRC", help="DART head directory (this project's or official)")
     s.add_argument("dst", metavar="DST", help="output directory")
     s.add_argument("--target", metavar="TARGET_DIR", help="local HF target model directory: checks and taps")
-    s.add_argument("--num-target-layers", type=int, metavar="L",
+    s.add_argument("--num-target-layers", type=integer(1), metavar="L",
                    help="target layer count for the default taps [2, L//2, L-3] when the head records none")
     s.add_argument("--ngram", metavar="FILE",
                    help="n-gram to ship: this project's .safetensors (copied) or an official .trie (converted); "
                         "default: the head directory's own")
-    s.add_argument("--eos-token-id", type=int, help="EOS id for the tree search (default: the head's or target's)")
+    s.add_argument("--eos-token-id", type=integer(0),
+                   help="EOS id for the tree search (default: the head's or target's)")
     _common(s)
-    s.set_defaults(run=_run_sglang, reads=("src", "target", "ngram"), writes="dst")
+    s.set_defaults(run=checked(s, _run_sglang), reads=("src", "target", "ngram"), writes="dst")
 
     e = kinds.add_parser(
         "eagle3", help="EAGLE3 head (SpecForge/SGLang layout) -> DART head for warm-start training",
@@ -68,10 +70,10 @@ def add_convert(sub) -> None:
                     "like the reference's initialisation. EAGLE3 aux-layer ids become taps (+1).")
     e.add_argument("src", metavar="SRC", help="EAGLE3 head directory (config.json + model.safetensors)")
     e.add_argument("dst", metavar="DST", help="output directory")
-    e.add_argument("--draft-length", type=int, required=True, metavar="D", help="DART draft length (mask rows)")
-    e.add_argument("--seed", type=int, default=0, help="seed of the mask_rep initialisation (default 0)")
+    e.add_argument("--draft-length", type=integer(1), required=True, metavar="D", help="DART draft length (mask rows)")
+    e.add_argument("--seed", type=seed(), default=0, help="seed of the mask_rep initialisation, 0..2**64-1 (default 0)")
     _common(e)
-    e.set_defaults(run=_run_eagle3, reads=("src",), writes="dst")
+    e.set_defaults(run=checked(e, _run_eagle3), reads=("src",), writes="dst")
 
 
     w = kinds.add_parser(
@@ -82,11 +84,12 @@ def add_convert(sub) -> None:
                     "is unchanged (official weight names; `dart-spec convert sglang` takes it).")
     w.add_argument("src", metavar="SRC", help="DART head directory")
     w.add_argument("dst", metavar="DST", help="output directory")
-    w.add_argument("--intermediate-size", type=int, required=True, metavar="I",
+    w.add_argument("--intermediate-size", type=integer(1), required=True, metavar="I",
                    help="MLP width of the result (at least the source's)")
-    w.add_argument("--seed", type=int, default=0, help="seed of the new units' gate/up rows (default 0)")
+    w.add_argument("--seed", type=seed(), default=0,
+                   help="seed of the new units' gate/up rows, 0..2**64-1 (default 0)")
     _common(w)
-    w.set_defaults(run=_run_widen, reads=("src",), writes="dst")
+    w.set_defaults(run=checked(w, _run_widen), reads=("src",), writes="dst")
 
 
 def _common(p: argparse.ArgumentParser) -> None:

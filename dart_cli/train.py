@@ -10,8 +10,14 @@ import sys
 from pathlib import Path
 
 from dart_cli.errors import UsageError
+from dart_cli.numbers import checked, integer, real, seed
 from dart_cli.threads import set_threads
 from dart_core.errors import DartInputError
+
+
+# below this a sampling temperature overflows the logits it divides (float32: about 1e-38) long before it differs from
+# greedy decoding; numeric options are checked as the command line is parsed (dart_cli.numbers)
+MIN_TEMPERATURE = 1e-6
 
 
 # ---- distill --------------------------------------------------------------------------------------------------------
@@ -30,18 +36,20 @@ def add_distill(sub) -> None:
                      help="the built-in mix: GSM8K questions from this file + code + chat prompts")
     src.add_argument("--text", nargs="+", metavar="FILE", help="raw text files to tokenise (paragraph = sequence)")
     p.add_argument("--field", default="prompt", help="JSON field holding the prompt text (default: prompt)")
-    p.add_argument("--batch-size", type=int, default=16, help="prompts per generate call and shard (default 16)")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="answer length limit (default 256)")
-    p.add_argument("--limit", type=int, metavar="N", help="use only the first N prompts")
-    p.add_argument("--seed", type=int, default=0, help="shuffle seed of --mixed (default 0)")
-    p.add_argument("--temperature", type=float, metavar="T",
-                   help="sample the answers at this temperature instead of greedy decoding")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus of the sampled answers (default 1.0)")
-    p.add_argument("--sample-seed", type=int, default=0,
-                   help="sampling seed; batch i draws with seed + i (default 0)")
+    p.add_argument("--batch-size", type=integer(1), default=16,
+                   help="prompts per generate call and shard (default 16)")
+    p.add_argument("--max-new-tokens", type=integer(1), default=256, help="answer length limit (default 256)")
+    p.add_argument("--limit", type=integer(1), metavar="N", help="use only the first N prompts")
+    p.add_argument("--seed", type=seed(), default=0, help="shuffle seed of --mixed, 0..2**64-1 (default 0)")
+    p.add_argument("--temperature", type=real(MIN_TEMPERATURE), metavar="T",
+                   help=f"sample the answers at this temperature (>= {MIN_TEMPERATURE:g}) instead of greedy decoding")
+    p.add_argument("--top-p", type=real(0.0, 1.0, low_open=True), default=1.0,
+                   help="nucleus of the sampled answers, in (0, 1] (default 1.0)")
+    p.add_argument("--sample-seed", type=seed(), default=0,
+                   help="sampling seed, 0..2**64-1; batch i draws with seed + i (default 0)")
     p.add_argument("--device", default="auto", help="auto (default: CUDA when available), cpu, cuda, cuda:N")
-    p.add_argument("--threads", type=int, metavar="N", help="torch CPU threads")
-    p.set_defaults(run=_run_distill, reads=("prompts", "mixed", "text", "target"), writes="out")
+    p.add_argument("--threads", type=integer(1), metavar="N", help="torch CPU threads")
+    p.set_defaults(run=checked(p, _run_distill), reads=("prompts", "mixed", "text", "target"), writes="out")
 
 
 def read_prompts(path: str, field: str) -> list[str]:
@@ -74,15 +82,8 @@ def _run_distill(args: argparse.Namespace) -> int:
 
     set_threads(args.threads)
     device = resolve_device(args.device)
-    for name in ("batch_size", "max_new_tokens"):
-        if getattr(args, name) < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
-    if args.limit is not None and args.limit < 1:
-        raise UsageError("--limit must be >= 1")
     sampling = None
     if args.temperature is not None:
-        if args.temperature <= 0 or not 0 < args.top_p <= 1:
-            raise UsageError("--temperature must be > 0 and --top-p in (0, 1]")
         sampling = {"temperature": args.temperature, "top_p": args.top_p, "seed": args.sample_seed}
     if args.text:
         missing = [f for f in args.text if not os.path.isfile(f)]
@@ -137,17 +138,20 @@ def add_prompts(sub) -> None:
                     "extends the same file).")
     p.add_argument("--target", default="smollm2", help="'smollm2' (default) or a local transformers model directory")
     p.add_argument("--out", required=True, metavar="FILE.jsonl", help="output prompts file (appended to)")
-    p.add_argument("--count", type=int, required=True, metavar="N", help="distinct turns to keep in all")
-    p.add_argument("--batch-size", type=int, default=32, help="turns sampled per generate call (default 32)")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="longest turn in tokens (default 128)")
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
-    p.add_argument("--top-p", type=float, default=0.95, help="nucleus (default 0.95)")
-    p.add_argument("--seed", type=int, default=0, help="batch i draws with seed + i (default 0)")
-    p.add_argument("--min-chars", type=int, default=16, help="shortest turn kept, in characters (default 16)")
-    p.add_argument("--max-chars", type=int, default=1500, help="longest turn kept, in characters (default 1500)")
+    p.add_argument("--count", type=integer(1), required=True, metavar="N", help="distinct turns to keep in all")
+    p.add_argument("--batch-size", type=integer(1), default=32, help="turns sampled per generate call (default 32)")
+    p.add_argument("--max-new-tokens", type=integer(1), default=128, help="longest turn in tokens (default 128)")
+    p.add_argument("--temperature", type=real(MIN_TEMPERATURE), default=1.0,
+                   help=f"sampling temperature, >= {MIN_TEMPERATURE:g} (default 1.0)")
+    p.add_argument("--top-p", type=real(0.0, 1.0, low_open=True), default=0.95,
+                   help="nucleus, in (0, 1] (default 0.95)")
+    p.add_argument("--seed", type=seed(), default=0, help="0..2**64-1; batch i draws with seed + i (default 0)")
+    p.add_argument("--min-chars", type=integer(1), default=16, help="shortest turn kept, in characters (default 16)")
+    p.add_argument("--max-chars", type=integer(1), default=1500,
+                   help="longest turn kept, in characters (default 1500)")
     p.add_argument("--device", default="auto", help="auto (default: CUDA when available), cpu, cuda, cuda:N")
-    p.add_argument("--threads", type=int, metavar="N", help="torch CPU threads")
-    p.set_defaults(run=_run_prompts, reads=("target",), writes="out")
+    p.add_argument("--threads", type=integer(1), metavar="N", help="torch CPU threads")
+    p.set_defaults(run=checked(p, _run_prompts), reads=("target",), writes="out")
 
 
 def _run_prompts(args: argparse.Namespace) -> int:
@@ -155,11 +159,8 @@ def _run_prompts(args: argparse.Namespace) -> int:
     from dart_train.user_turns import write_user_turns
 
     set_threads(args.threads)
-    for name in ("count", "batch_size", "max_new_tokens", "min_chars", "max_chars"):
-        if getattr(args, name) < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
-    if args.temperature <= 0 or not 0 < args.top_p <= 1:
-        raise UsageError("--temperature must be > 0 and --top-p in (0, 1]")
+    if args.max_chars < args.min_chars:
+        raise UsageError(f"--max-chars {args.max_chars} is below --min-chars {args.min_chars}: no turn could be kept")
     device = resolve_device(args.device)
     model, tokenizer = load_target(args.target, device, with_tokenizer=True)
     state = write_user_turns(model, tokenizer, args.out, count=args.count, batch_size=args.batch_size,
@@ -174,7 +175,7 @@ def _run_prompts(args: argparse.Namespace) -> int:
 # ---- train ----------------------------------------------------------------------------------------------------------
 def add_train(sub) -> None:
     from dart_core.io import WEIGHT_DTYPES
-    from dart_train.trainer import TrainConfig
+    from dart_train.trainer import MAX_DATA_WEIGHT, TrainConfig
 
     d = TrainConfig()
     p = sub.add_parser(
@@ -187,48 +188,54 @@ def add_train(sub) -> None:
                    help="dart (default): a DART head; eagle3: the EAGLE3-style baseline drafter (benchmarks)")
     p.add_argument("--target", default=d.target, help="'smollm2' (default) or a local transformers model directory")
     p.add_argument("--data", nargs="+", required=True, metavar="DIR", help="data directories with shard-*.npz")
-    p.add_argument("--data-weights", type=int, nargs="+", metavar="N",
-                   help="one integer per --data directory: its training windows enter every epoch N times (default "
-                        "1 each; the held-out split does not change)")
+    p.add_argument("--data-weights", type=integer(1, MAX_DATA_WEIGHT), nargs="+", metavar="N",
+                   help=f"one integer per --data directory, 1..{MAX_DATA_WEIGHT}: its training windows enter every "
+                        "epoch N times (default 1 each; no copies are made; the held-out split does not change)")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory")
-    p.add_argument("--draft-length", type=int, default=d.draft_length, help=f"D, mask rows (default {d.draft_length})")
-    p.add_argument("--draft-vocab-size", type=int, default=d.draft_vocab_size,
+    p.add_argument("--draft-length", type=integer(1), default=d.draft_length,
+                   help=f"D, mask rows (default {d.draft_length})")
+    p.add_argument("--draft-vocab-size", type=integer(1), default=d.draft_vocab_size,
                    help=f"most frequent target tokens the head predicts (default {d.draft_vocab_size}, clamped to "
                         "the target vocab)")
-    p.add_argument("--intermediate-size", type=int, help="head MLP width (default: the target's)")
-    p.add_argument("--seq-len", type=int, default=d.seq_len,
+    p.add_argument("--intermediate-size", type=integer(1), help="head MLP width (default: the target's)")
+    p.add_argument("--seq-len", type=integer(3), default=d.seq_len,
                    help=f"tokens per sample; longer sequences are split into windows (default {d.seq_len})")
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help=f"sequences per step and process "
+    p.add_argument("--batch-size", type=integer(1), default=d.batch_size, help=f"sequences per step and process "
                                                                          f"(default {d.batch_size})")
-    p.add_argument("--anchors", type=int, default=d.anchors_per_seq, dest="anchors_per_seq",
+    p.add_argument("--anchors", type=integer(1), default=d.anchors_per_seq, dest="anchors_per_seq",
                    help=f"anchors (mask-row blocks) per sequence (default {d.anchors_per_seq})")
-    p.add_argument("--gamma", type=float, default=d.gamma, help=f"loss weight decay per position (default {d.gamma})")
-    p.add_argument("--lr", type=float, default=d.lr, help=f"peak learning rate (default {d.lr})")
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW weight decay (default 0)")
-    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help=f"default {d.warmup_steps}")
-    p.add_argument("--steps", type=int, default=d.steps, help=f"optimizer steps (default {d.steps})")
-    p.add_argument("--grad-clip", type=float, default=d.grad_clip, help=f"gradient norm clip (default {d.grad_clip})")
-    p.add_argument("--eval-every", type=int, default=d.eval_every, help=f"default {d.eval_every}")
-    p.add_argument("--eval-sequences", type=int, default=d.eval_sequences,
+    p.add_argument("--gamma", type=real(0.0, 1.0), default=d.gamma,
+                   help=f"loss weight decay per position, in [0, 1] (default {d.gamma})")
+    p.add_argument("--lr", type=real(0.0, low_open=True), default=d.lr, help=f"peak learning rate (default {d.lr})")
+    p.add_argument("--weight-decay", type=real(0.0), default=d.weight_decay, help="AdamW weight decay (default 0)")
+    p.add_argument("--warmup-steps", type=integer(0), default=d.warmup_steps, help=f"default {d.warmup_steps}")
+    p.add_argument("--steps", type=integer(1), default=d.steps, help=f"optimizer steps (default {d.steps})")
+    p.add_argument("--grad-clip", type=real(0.0, low_open=True), default=d.grad_clip,
+                   help=f"gradient norm clip (default {d.grad_clip})")
+    p.add_argument("--eval-every", type=integer(1), default=d.eval_every, help=f"default {d.eval_every}")
+    p.add_argument("--eval-sequences", type=integer(0), default=d.eval_sequences,
                    help=f"held-out windows per evaluation (default {d.eval_sequences})")
-    p.add_argument("--tau-prompts", type=int, default=d.tau_prompts,
+    p.add_argument("--tau-prompts", type=integer(0), default=d.tau_prompts,
                    help=f"held-out prompts for the tree-decoding tau measurement (default {d.tau_prompts}; 0: off)")
-    p.add_argument("--tau-max-new-tokens", type=int, default=d.tau_max_new_tokens,
+    p.add_argument("--tau-max-new-tokens", type=integer(0), default=d.tau_max_new_tokens,
                    help=f"default {d.tau_max_new_tokens}")
-    p.add_argument("--tau-every-evals", type=int, default=d.tau_every_evals,
+    p.add_argument("--tau-every-evals", type=integer(0), default=d.tau_every_evals,
                    help="also measure tau every K evaluations (default 0: at the end only)")
-    p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help=f"default {d.checkpoint_every}")
-    p.add_argument("--log-every", type=int, default=d.log_every, help=f"train.jsonl interval (default {d.log_every})")
-    p.add_argument("--seed", type=int, default=d.seed, help=f"default {d.seed}")
-    p.add_argument("--heldout-fraction", type=float, default=d.heldout_fraction,
-                   help=f"sequences held out for evaluation, by index hash (default {d.heldout_fraction})")
+    p.add_argument("--checkpoint-every", type=integer(1), default=d.checkpoint_every,
+                   help=f"default {d.checkpoint_every}")
+    p.add_argument("--log-every", type=integer(1), default=d.log_every,
+                   help=f"train.jsonl interval (default {d.log_every})")
+    p.add_argument("--seed", type=seed(), default=d.seed, help=f"0..2**64-1 (default {d.seed})")
+    p.add_argument("--heldout-fraction", type=real(0.0, 0.5), default=d.heldout_fraction,
+                   help=f"sequences held out for evaluation, in [0, 0.5], by a hash of their tokens (copies fall on "
+                        f"one side; default {d.heldout_fraction})")
     p.add_argument("--init-from", metavar="HEAD_DIR", help="warm start from a head directory (e.g. converted EAGLE3; with --mode eagle3 also a DART head)")
     p.add_argument("--lm-head-from-target", action="store_true", dest="init_lm_head_from_target",
                    help="start lm_head from the target's output rows of the draft vocabulary (default: random)")
     p.add_argument("--save-dtype", choices=tuple(WEIGHT_DTYPES), default=d.save_dtype,
                    help="dtype of OUT/head weights (default float32)")
     p.add_argument("--ngram", action="store_true", help="attach a 3-gram of the training data to OUT/head")
-    p.add_argument("--ngram-order", type=int, default=d.ngram_order, help=f"default {d.ngram_order}")
+    p.add_argument("--ngram-order", type=integer(1), default=d.ngram_order, help=f"default {d.ngram_order}")
     p.add_argument("--device", default=d.device, help="auto (default), cpu, cuda, cuda:N")
     p.add_argument("--target-dtype", choices=tuple(WEIGHT_DTYPES),
                    help="dtype of the target's weights (default: bfloat16 on CUDA, float32 on the CPU)")
@@ -239,17 +246,17 @@ def add_train(sub) -> None:
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint-latest")
     p.add_argument("--force", action="store_true",
                    help="start afresh in an OUT that holds a run (deletes its head, checkpoint and logs)")
-    p.add_argument("--stop-at", type=int, metavar="STEP", help="stop after this step (checkpoint written)")
-    p.add_argument("--time-budget", type=float, metavar="SECONDS",
+    p.add_argument("--stop-at", type=integer(1, None), metavar="STEP", help="stop after this step (checkpoint written)")
+    p.add_argument("--time-budget", type=real(0.0, low_open=True), metavar="SECONDS",
                    help="seconds for the whole run, loading included: the step count (and so the cosine schedule) "
                         "is fitted to it after a timed warm-up, replacing --steps; the run always ends with the "
                         "final evaluation and a saved head")
-    p.add_argument("--max-skipped-steps", type=int, default=d.max_skipped_steps,
+    p.add_argument("--max-skipped-steps", type=integer(1), default=d.max_skipped_steps,
                    help="stop after this many consecutive steps with a non-finite loss or gradient (such steps "
                         f"never change the weights; default {d.max_skipped_steps})")
-    p.add_argument("--threads", type=int, metavar="N", help="torch CPU threads")
+    p.add_argument("--threads", type=integer(1), metavar="N", help="torch CPU threads")
     p.add_argument("--no-progress", action="store_false", dest="progress", help="no progress bar")
-    p.set_defaults(run=_run_train, reads=("data", "target", "init_from"), writes="out")
+    p.set_defaults(run=checked(p, _run_train), reads=("data", "target", "init_from"), writes="out")
 
 
 def _run_train(args: argparse.Namespace) -> int:

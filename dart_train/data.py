@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
@@ -82,6 +83,11 @@ def distill(model, tokenizer, prompts: Sequence[str], out_dir: str | os.PathLike
     the shards answer is recorded in `DISTILL_MANIFEST` (a hash of the prompts, batch size and answer length); a
     directory holding shards of other prompts or settings is refused (ValueError), never silently mixed.
     """
+    for name, value in (("batch_size", batch_size), ("max_new_tokens", max_new_tokens)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise DartInputError(f"{name} must be an integer >= 1, got {value!r}")
+    if sampling:
+        check_sampling(sampling)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     check_distill_manifest(out, prompts, batch_size, max_new_tokens, sampling)
@@ -100,7 +106,7 @@ def distill(model, tokenizer, prompts: Sequence[str], out_dir: str | os.PathLike
         enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
         decoding = dict(do_sample=False)
         if sampling:
-            torch.manual_seed(sampling["seed"] + index)
+            torch.manual_seed((sampling["seed"] + index) % 2**64)
             decoding = dict(do_sample=True, temperature=sampling["temperature"], top_p=sampling["top_p"], top_k=0)
         result = model.generate(**enc.to(model.device), max_new_tokens=max_new_tokens, pad_token_id=pad,
                                 **decoding).cpu()
@@ -122,6 +128,20 @@ def distill(model, tokenizer, prompts: Sequence[str], out_dir: str | os.PathLike
 
 
 DISTILL_MANIFEST = "distill.json"
+
+
+def check_sampling(sampling: dict) -> None:
+    """DartInputError unless `sampling` is {"temperature": finite > 0, "top_p": in (0, 1], "seed": 0..2**64-1}."""
+    if not isinstance(sampling, dict) or set(sampling) != {"temperature", "top_p", "seed"}:
+        raise DartInputError(f"sampling must give temperature, top_p and seed, got {sampling!r}")
+    temperature, top_p, seed = sampling["temperature"], sampling["top_p"], sampling["seed"]
+    for name, value in (("temperature", temperature), ("top_p", top_p)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise DartInputError(f"sampling {name} must be a finite number, got {value!r}")
+    if temperature <= 0 or not 0 < top_p <= 1:
+        raise DartInputError(f"sampling temperature must be > 0 and top_p in (0, 1], got {temperature!r}, {top_p!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+        raise DartInputError(f"sampling seed must be an integer in 0..2**64-1, got {seed!r}")
 
 
 def check_distill_manifest(out: Path, prompts: Sequence[str], batch_size: int, max_new_tokens: int,

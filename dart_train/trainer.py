@@ -56,6 +56,14 @@ CHECKPOINT_DIR = "checkpoint-latest"
 STATE_NAME = "trainer_state.pt"
 # what a run trains: a DART head, or the EAGLE3-style baseline drafter (dart_core.eagle3) on the same data and loss
 HEAD_CLASSES = {"dart": DartHead, "eagle3": Eagle3Head}
+# the most times one data directory's windows enter an epoch (`data_weights`): past it a weight is a typo; the repeats
+# are never materialised (`WeightedOrder`), so memory does not depend on the weights
+MAX_DATA_WEIGHT = 10_000
+MAX_SEED = 2**64 - 1  # torch's generators take 0..2**64-1; seeds derived from `seed` are reduced modulo 2**64
+# what a checkpoint's data order and held-out split are (`DATA_ORDER` in its trainer state): 2 = the held-out split by
+# content (`heldout_mask`) and the lazily permuted, weighted epochs of `WeightedOrder`. A checkpoint of another
+# order is not resumed: its held-out sequences and windows to come would differ from those it was trained with.
+DATA_ORDER = 2
 # fields that must match when resuming (they decide shapes, data order and the held-out split)
 RESUME_FIXED = ("mode", "target", "data", "data_weights", "draft_length", "draft_vocab_size", "intermediate_size", "seq_len",
                 "batch_size", "anchors_per_seq", "seed", "heldout_fraction", "init_from")
@@ -132,6 +140,12 @@ class TrainConfig:
                                      f"got {self.data_weights!r}")
             for weight in self.data_weights:
                 check_int("TrainConfig", "data_weights", weight)
+                if weight > MAX_DATA_WEIGHT:
+                    raise DartInputError(f"data_weights must be at most {MAX_DATA_WEIGHT} (times a directory's "
+                                         f"windows enter each epoch), got {weight}")
+        check_int("TrainConfig", "seed", self.seed, minimum=0)
+        if self.seed > MAX_SEED:
+            raise DartInputError(f"seed must be in 0..2**64-1, got {self.seed}")
         if self.seq_len < 3:
             raise DartInputError(f"seq_len must be >= 3 (a prediction needs two tokens of context), got {self.seq_len}")
         for name, lo, hi in (("gamma", 0.0, 1.0), ("heldout_fraction", 0.0, 0.5)):
@@ -154,8 +168,17 @@ class TrainConfig:
         if self.head_precision not in (None, "float32", "bfloat16"):
             raise DartInputError(f"head_precision must be float32 or bfloat16, got {self.head_precision!r}")
         for d in self.data:
+            if not isinstance(d, (str, os.PathLike)):
+                raise DartInputError(f"data must name directories, got {d!r}")
             if not os.path.isdir(d):
                 raise FileNotFoundError(f"data directory not found: {d}")
+        named: dict[str, str] = {}
+        for d in self.data:  # the same directory twice would be one data set counted twice, not two
+            real = os.path.realpath(d)
+            if real in named:
+                raise DartInputError(f"data names the directory {real} twice ({named[real]!r} and {str(d)!r}): give "
+                                     "each directory once; data weights (--data-weights) repeat one")
+            named[real] = str(d)
         resolve_device(self.device)
         if self.resume and self.force:
             raise DartInputError("--resume continues the run in --out and --force replaces it: give one")
@@ -237,25 +260,140 @@ def load_sequences(data_dirs: list[str], counts: Optional[list] = None) -> list[
     return out
 
 
-def weighted(sequences: list[tuple[np.ndarray, int]], held: np.ndarray, counts: list[int],
-             weights: Optional[list[int]]) -> list[tuple[np.ndarray, int]]:
-    """The training sequences (not `held`), those of data directory i (the next `counts[i]` sequences) repeated
-    `weights[i]` times (the repeats side by side; the epoch's shuffle spreads them)."""
-    weights = weights or [1] * len(counts)
-    source = np.repeat(np.arange(len(counts)), counts)
-    return [s for s, h, i in zip(sequences, held, source) if not h for _ in range(weights[int(i)])]
+def content_keys(tokens: list[np.ndarray]) -> np.ndarray:
+    """uint64 [n]: a hash of each sequence's token ids, its content alone (not its place, file or directory)."""
+    return np.array([int.from_bytes(hashlib.blake2b(np.ascontiguousarray(t, dtype=np.int64).tobytes(),
+                                                    digest_size=8).digest(), "little") for t in tokens],
+                    dtype=np.uint64)
 
 
-def heldout_mask(num_sequences: int, fraction: float) -> np.ndarray:
-    """bool [n]: sequence i is held out when a hash of its index falls below `fraction` (deterministic, seed-free).
+def heldout_mask(tokens: list[np.ndarray], fraction: float) -> np.ndarray:
+    """bool [n]: sequence i (its token ids `tokens[i]`) is held out when a hash of its content falls below `fraction`
+    (deterministic, seed-free).
 
-    With fraction > 0 and at least two sequences, at least one is held out (the one with the smallest hash)."""
-    scores = np.array([int.from_bytes(hashlib.blake2b(str(i).encode(), digest_size=8).digest(), "little") / 2**64
-                       for i in range(num_sequences)])
-    mask = scores < fraction
-    if fraction > 0 and num_sequences >= 2 and not mask.any():
-        mask[int(np.argmin(scores))] = True
+    The split is by content, never by place: every copy of a sequence (the same data given twice, a directory and a
+    copy of it, an answer distilled twice) falls on the same side, so no held-out sequence is ever also a training
+    sequence. With fraction > 0 and at least two distinct sequences, at least one is held out (the content with the
+    smallest hash, all its copies)."""
+    keys = content_keys(tokens)
+    mask = keys.astype(np.float64) / 2.0**64 < fraction
+    if fraction > 0 and not mask.any() and len(np.unique(keys)) >= 2:
+        mask = keys == keys.min()
     return mask
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finaliser on a Python int (a well-spread 64-bit hash of a 64-bit value)."""
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _MASK64
+    return x ^ (x >> 31)
+
+
+def _mix64_array(x: np.ndarray) -> np.ndarray:
+    """`_mix64` of every element of a uint64 array (products wrap modulo 2**64, as in `_mix64`)."""
+    with np.errstate(over="ignore"):
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+class Permutation:
+    """A seeded bijection of range(n), evaluated at any positions without a table (memory does not grow with n): a
+    6-round Feistel network on the smallest even number of bits that holds n, applied again to any value >= n until
+    it lands below n (cycle walking keeps it a bijection of range(n); fewer than 4 passes on average)."""
+
+    ROUNDS = 6
+
+    def __init__(self, n: int, key: int) -> None:
+        if n < 1:
+            raise ValueError(f"a permutation needs n >= 1, got {n}")
+        self.n = int(n)
+        bits = max(2, (self.n - 1).bit_length())
+        self.half = (bits + 1) // 2
+        self.low = np.uint64((1 << self.half) - 1)
+        self.keys = [np.uint64(_mix64((key + (r + 1) * 0x9E3779B97F4A7C15) & _MASK64)) for r in range(self.ROUNDS)]
+
+    def _network(self, x: np.ndarray) -> np.ndarray:
+        half = np.uint64(self.half)
+        left, right = x >> half, x & self.low
+        for key in self.keys:
+            left, right = right, left ^ (_mix64_array(right ^ key) & self.low)
+        return (left << half) | right
+
+    def __call__(self, positions: np.ndarray) -> np.ndarray:
+        """int64 array: the images of `positions` (ints in range(n))."""
+        out = self._network(np.asarray(positions, dtype=np.uint64))
+        outside = out >= np.uint64(self.n)
+        while outside.any():
+            out[outside] = self._network(out[outside])
+            outside = out >= np.uint64(self.n)
+        return out.astype(np.int64)
+
+
+def _derived_key(seed: int, *parts: int) -> int:
+    """A 64-bit key of `seed` and `parts` (an epoch, a purpose): any seed in 0..2**64-1, no overflow."""
+    key = _mix64(seed & _MASK64)
+    for part in parts:
+        key = _mix64((key ^ part) + 0x9E3779B97F4A7C15 & _MASK64)
+    return key
+
+
+class WeightedOrder:
+    """Which training windows each global step takes: a pure function of (seed, step), computed as it is needed.
+
+    An epoch holds every window of block i (one data directory's windows, consecutive indices) `weight` times: a
+    virtual list of sum(count * weight) entries that is never built. It is permuted with a seeded `Permutation`
+    (one per epoch), cut into groups of 64 batches, each group sorted by window length (little padding) and cut into
+    batches of `per` windows, and the batches are taken in a second seeded permutation's order. Only the group of
+    the batch asked for is built, so memory follows the windows and the group size, never the weights. An epoch has
+    max(1, entries // per) batches (an epoch smaller than one batch repeats windows; the remainder is left out)."""
+
+    GROUP_BATCHES = 64
+
+    def __init__(self, lengths: np.ndarray, blocks: list[tuple[int, int, int]], per: int, seed: int) -> None:
+        blocks = [(int(start), int(count), int(weight)) for start, count, weight in blocks if count > 0]
+        if not blocks:
+            raise ValueError("no training windows to order")
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+        self.per, self.seed = int(per), int(seed)
+        self.window_start = np.array([b[0] for b in blocks], dtype=np.int64)
+        self.count = np.array([b[1] for b in blocks], dtype=np.int64)
+        sizes = [count * weight for _, count, weight in blocks]
+        self.entry_end = np.cumsum(np.array(sizes, dtype=np.int64))
+        self.entry_start = self.entry_end - np.array(sizes, dtype=np.int64)
+        self.entries = int(sum(sizes))
+        self.batches = max(1, self.entries // self.per)
+        self._groups: dict[tuple[int, int], np.ndarray] = {}
+
+    def window_of(self, entries: np.ndarray) -> np.ndarray:
+        """The window index of each virtual entry (block i's entries cycle through its windows)."""
+        block = np.searchsorted(self.entry_end, entries, side="right")
+        return self.window_start[block] + (entries - self.entry_start[block]) % self.count[block]
+
+    def batch(self, step: int) -> np.ndarray:
+        """int64 [per]: the window indices of global step `step`."""
+        epoch, slot = divmod(int(step), self.batches)
+        b = int(Permutation(self.batches, _derived_key(self.seed, epoch, 1))(np.array([slot]))[0])
+        group, index = divmod(b, self.GROUP_BATCHES)
+        members = self._group(epoch, group)
+        return members[index * self.per: (index + 1) * self.per]
+
+    def _group(self, epoch: int, group: int) -> np.ndarray:
+        cached = self._groups.get((epoch, group))
+        if cached is not None:
+            return cached
+        size = self.GROUP_BATCHES * self.per
+        positions = np.arange(group * size, min((group + 1) * size, self.batches * self.per), dtype=np.int64)
+        entries = Permutation(self.entries, _derived_key(self.seed, epoch, 0))(positions % self.entries)
+        windows = self.window_of(entries)
+        members = windows[np.argsort(self.lengths[windows], kind="stable")]
+        if len(self._groups) >= 4:
+            self._groups.pop(next(iter(self._groups)))
+        self._groups[(epoch, group)] = members
+        return members
 
 
 def split_windows(sequences: list[tuple[np.ndarray, int]], seq_len: int) -> list[tuple[np.ndarray, int]]:
@@ -503,13 +641,23 @@ class Trainer:
         self.out = Path(cfg.out)
         counts: list[int] = []
         sequences = load_sequences(cfg.data, counts)
-        held = heldout_mask(len(sequences), cfg.heldout_fraction)
+        held = heldout_mask([t for t, _ in sequences], cfg.heldout_fraction)
         self.train_sequences = [s for s, h in zip(sequences, held) if not h]
         self.heldout_sequences = [s for s, h in zip(sequences, held) if h]
-        self.train_windows = split_windows(weighted(sequences, held, counts, cfg.data_weights), cfg.seq_len)
+        # every training window once, directory by directory; the data weights repeat them in `self.order` alone
+        self.train_windows: list[tuple[np.ndarray, int]] = []
+        blocks, end = [], 0
+        for weight, count in zip(cfg.data_weights or [1] * len(counts), counts):
+            mine = [s for s, h in zip(sequences[end: end + count], held[end: end + count]) if not h]
+            end += count
+            windows = split_windows(mine, cfg.seq_len)
+            blocks.append((len(self.train_windows), len(windows), weight))
+            self.train_windows.extend(windows)
         self.heldout_windows = split_windows(self.heldout_sequences, cfg.seq_len)[: cfg.eval_sequences]
         if not self.train_windows:
             raise DartInputError(f"no training sequences with tokens to predict in {cfg.data}")
+        self.order = WeightedOrder(np.array([len(w) for w, _ in self.train_windows]), blocks,
+                                   cfg.batch_size * self.dist.world, cfg.seed)
         on_cuda = self.device.type == "cuda"
         if model is None:
             dtype = WEIGHT_DTYPES[cfg.target_dtype] if cfg.target_dtype else (torch.bfloat16 if on_cuda else None)
@@ -529,6 +677,10 @@ class Trainer:
         if cfg.resume:
             ckpt = find_checkpoint(self.out)
             resume_state = load_trainer_state(ckpt / STATE_NAME)
+            if resume_state.get("data_order") != DATA_ORDER:
+                raise DartInputError(f"--resume: the checkpoint in {ckpt} was written by an earlier dart-spec, whose "
+                                     "held-out split and data order differ from this one's (its held-out sequences "
+                                     "may be training sequences now): train afresh with --force")
             saved = resume_state.get("config", {})
             diff = [k for k in RESUME_FIXED if k in saved and saved[k] != getattr(cfg, k)]
             if diff:
@@ -591,38 +743,13 @@ class Trainer:
     # -- data order: a pure function of (seed, step), so resuming needs only the step
     def samples_for(self, step: int) -> list[tuple[np.ndarray, int]]:
         """This process's `batch_size` windows of global step `step`."""
-        batches = self._epoch_batches(step // self._batches_per_epoch)
-        batch = batches[step % self._batches_per_epoch]
+        batch = self.order.batch(step)
         mine = batch[self.dist.rank * self.cfg.batch_size: (self.dist.rank + 1) * self.cfg.batch_size]
         return [self.train_windows[int(i)] for i in mine]
 
     @property
     def _batches_per_epoch(self) -> int:
-        return max(1, len(self.train_windows) // (self.cfg.batch_size * self.dist.world))
-
-    def _epoch_batches(self, epoch: int) -> torch.Tensor:
-        """[batches, batch_size * world] window indices of `epoch`: a seeded shuffle, cut into groups of 64 batches,
-        each group sorted by window length and cut into batches (little padding), the batches in seeded order. An
-        epoch smaller than one batch repeats windows."""
-        cache = self.__dict__.setdefault("_batches", {})
-        if epoch not in cache:
-            if len(cache) >= 2:
-                cache.pop(min(cache))
-            per = self.cfg.batch_size * self.dist.world
-            n = len(self.train_windows)
-            g = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + epoch)
-            order = torch.randperm(n, generator=g)
-            if n < per:
-                order = order.repeat(per // n + 1)
-            order = order[: self._batches_per_epoch * per]
-            lengths = torch.tensor([len(self.train_windows[int(i)][0]) for i in order])
-            group = 64 * per
-            for start in range(0, order.numel(), group):
-                part = slice(start, start + group)
-                order[part] = order[part][torch.sort(lengths[part], stable=True).indices]
-            batches = order.view(-1, per)
-            cache[epoch] = batches[torch.randperm(batches.shape[0], generator=g)]
-        return cache[epoch]
+        return self.order.batches
 
     def measure_head_precision(self, margin: float = 0.9) -> str:
         """"bfloat16" when the head's forward and backward on the first batch take at most `margin` of float32's
@@ -654,7 +781,7 @@ class Trainer:
         return "bfloat16" if int(votes.item()) == self.dist.world else "float32"  # every rank alike
 
     def _anchor_generator(self, step: int) -> torch.Generator:
-        return torch.Generator().manual_seed((self.cfg.seed * 1_000_003 + step) * 4099 + self.dist.rank)
+        return torch.Generator().manual_seed(((self.cfg.seed * 1_000_003 + step) * 4099 + self.dist.rank) % 2**64)
 
     def compute(self, batch: TrainingBatch, generator: torch.Generator) -> tuple[LossOutput, float, float]:
         """Loss of one batch -> (LossOutput, target seconds, head forward seconds)."""
@@ -728,7 +855,7 @@ class Trainer:
         if not prompts or not self.cfg.tau_max_new_tokens:
             return None
         self.head.eval()
-        model = dart_hf.enable(self.model)
+        model = dart_hf.enable(self.model, False)
         merged, per_prompt = DartStats(), []
         for prompt in prompts:
             ids = torch.as_tensor(prompt, dtype=torch.long, device=self.device)[None]
@@ -763,6 +890,7 @@ class Trainer:
                             {"step": step, "total_steps": self.total_steps,
                              "samples_seen": step * self.cfg.batch_size * self.dist.world,
                              "evals_done": self.evals_done, "config": dataclasses.asdict(self.cfg),
+                             "data_order": DATA_ORDER,
                              "head_precision": self.head_precision})
         if self.dist.world > 1:
             torch.distributed.barrier()

@@ -8,14 +8,20 @@ rest are appended to a JSONL file as {"prompt": text}, which `dart-spec distill 
 
 Resumable and append-only: batch i is drawn with seed + i, and after each batch a state file beside the output
 (`FILE.state.json`, written atomically) records the batches done, the output's length in bytes, the counts kept
-and dropped per reason, and the settings. A resumed run first cuts the output back to the recorded length (a batch
-interrupted mid-write is drawn again), so it ends with exactly the file an uninterrupted run writes. A state of other
-settings is refused.
+and dropped per reason, and the settings. Before a batch's lines are appended the state records them as pending, so
+a resumed run knows its own half-written batch: bytes past the recorded length that are the start of the pending
+batch are cut (the batch is drawn again, so the run ends with exactly the file an uninterrupted run writes); any
+other bytes there (lines added by hand) make the run refuse, naming the file and the offset, and nothing is changed.
+A resumed run never rewrites or removes what it did not write. The output's recorded part and the state are checked
+first (one JSON object with a string "prompt" per line, UTF-8, as many lines as the state's turns; the state's
+fields of their types): a damaged file is one error naming it, with nothing changed. A state of other settings is
+refused.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -92,15 +98,91 @@ def _settings(count: int, batch_size: int, max_new_tokens: int, temperature: flo
 
 
 def _read_state(file: Path) -> Optional[dict]:
+    """The prompt writer's state in `file` (None when there is none), its fields checked: DartInputError naming the
+    file for anything else."""
     if not file.is_file():
         return None
+    fix = "remove it and the prompts beside it to start over, or write into a new file"
     try:
         state = json.loads(file.read_text(encoding="utf-8"))
         if not isinstance(state, dict) or not {"settings", "batches", "bytes", "kept", "dropped"} <= set(state):
             raise ValueError("not a prompt writer's state")
     except (OSError, ValueError) as err:
-        raise DartInputError(f"{file}: unreadable ({err}); remove it and the prompts beside it to start over")
+        raise DartInputError(f"{file}: unreadable ({err}); {fix}") from None
+
+    def count(value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+    wrong = None
+    if not isinstance(state["settings"], dict):
+        wrong = "settings"
+    else:
+        wrong = next((k for k in ("batches", "bytes", "kept") if not count(state[k])), None)
+    if wrong is None and not (isinstance(state["dropped"], dict)
+                              and all(isinstance(k, str) and count(v) for k, v in state["dropped"].items())):
+        wrong = "dropped"
+    if wrong is None and state.get("pending") is not None and not isinstance(state["pending"], str):
+        wrong = "pending"
+    if wrong is not None:
+        kind = {"settings": "an object", "dropped": "an object of counts", "pending": "text or null"}.get(
+            wrong, "a count (an integer >= 0)")
+        shown = json.dumps(state[wrong])
+        shown = shown if len(shown) <= 40 else shown[:37] + "..."
+        raise DartInputError(f"{file}: damaged: \"{wrong}\" is {shown}, not {kind}; {fix}")
     return state
+
+
+def _recorded_turns(out: Path, length: int, kept: int, state_file: Path) -> list[str]:
+    """The turns in the first `length` bytes of `out` (the part its state records), checked line by line; the file
+    is only read."""
+    with open(out, "rb") as fh:
+        data = fh.read(length)
+    if data and not data.endswith(b"\n"):
+        raise DartInputError(f"{out}: the {length} bytes its state ({state_file.name}) records do not end at the end "
+                             "of a line: the file was edited; this run changed nothing (restore it, or write into a "
+                             "new file)")
+    turns = []
+    for number, line in enumerate(data.split(b"\n")[:-1], 1):
+        try:
+            record = json.loads(line.decode("utf-8"))
+        except UnicodeDecodeError as err:
+            raise DartInputError(f"{out}:{number}: not UTF-8 text (byte {err.start} of the line); the file was edited: "
+                                 "this run changed nothing (fix the line, or write into a new file)") from None
+        except json.JSONDecodeError as err:
+            raise DartInputError(f"{out}:{number}: not valid JSON ({err.msg}); the file was edited: this run "
+                                 "changed nothing (fix the line, or write into a new file)") from None
+        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+            raise DartInputError(f"{out}:{number}: not a JSON object with a string \"prompt\"; the file was edited: "
+                                 "this run changed nothing (fix the line, or write into a new file)")
+        turns.append(record["prompt"])
+    if len(turns) != kept:
+        raise DartInputError(f"{out}: its first {length} bytes hold {len(turns)} turns where its state "
+                             f"({state_file.name}) records {kept}: the file was edited; this run changed nothing "
+                             "(restore it, or write into a new file)")
+    return turns
+
+
+def _unrecorded_bytes(out: Path, state: dict, state_file: Path) -> int:
+    """How many bytes past the recorded length `out` holds that a batch of this writer left half-written (to cut);
+    DartInputError naming the file and the offset when bytes there are anything else (nothing is changed)."""
+    size, length = out.stat().st_size, state["bytes"]
+    if size < length:
+        raise DartInputError(f"{out} is shorter than its state ({state_file.name}) records ({length} bytes): the file "
+                             "was edited; this run changed nothing (restore it, or write into a new file)")
+    if size == length:
+        return 0
+    pending = (state.get("pending") or "").encode("utf-8")
+    tail = b""
+    if size - length <= len(pending):
+        with open(out, "rb") as fh:
+            fh.seek(length)
+            tail = fh.read(size - length)
+    if not tail or not pending.startswith(tail):
+        raise DartInputError(f"{out}: {size - length} bytes from offset {length} on were not written by this prompt "
+                             f"writer (its state {state_file.name} ends the file there); this run changed nothing: "
+                             f"move those lines into another file (or cut the file at byte {length}) and run again, "
+                             "or write into a new file")
+    return size - length
 
 
 @torch.no_grad()
@@ -112,38 +194,53 @@ def write_user_turns(model, tokenizer, out_file: str | os.PathLike, count: int, 
     count later continues the same stream, so the file is what one run to that count writes), or until `max_batches`
     batches ran (default 20x the batches `count` needs if all were kept); returns the state (kept, dropped per
     reason, batches)."""
-    if count < 1 or batch_size < 1 or max_new_tokens < 1:
-        raise DartInputError("count, batch size and max new tokens must be >= 1")
+    for name, value in (("count", count), ("batch_size", batch_size), ("max_new_tokens", max_new_tokens),
+                        ("min_chars", min_chars), ("max_chars", max_chars)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise DartInputError(f"{name} must be an integer >= 1, got {value!r}")
+    for name, value in (("temperature", temperature), ("top_p", top_p)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise DartInputError(f"{name} must be a finite number, got {value!r}")
     if temperature <= 0 or not 0 < top_p <= 1:
         raise DartInputError("temperature must be > 0 and top-p in (0, 1]")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+        raise DartInputError(f"seed must be an integer in 0..2**64-1, got {seed!r}")
     out = Path(out_file)
     state_file = out.with_name(out.name + STATE_SUFFIX)
     prompt_ids, stops = user_turn_prompt(tokenizer)
     settings = _settings(count, batch_size, max_new_tokens, temperature, top_p, seed, min_chars, max_chars,
                          prompt_ids, stops)
+    # every check reads only; the files change after all of them passed
     state = _read_state(state_file)
+    half_written = 0
     if state is None:
         if out.exists() and out.stat().st_size:
             raise DartInputError(f"{out} exists without a prompt writer's state ({state_file.name}); "
                                  "write into a new file")
         state = {"settings": settings, "batches": 0, "bytes": 0, "kept": 0, "dropped": {}}
+        turns = []
     else:
         saved = dict(state["settings"])
         if {k: v for k, v in saved.items() if k != "count"} != {k: v for k, v in settings.items() if k != "count"}:
             changed = [k for k in settings if k != "count" and saved.get(k) != settings[k]]
             raise DartInputError(f"{out} was written with other settings (different {', '.join(changed)}); "
                                  "write into a new file")
+        if not out.exists():
+            if state["bytes"] or state["kept"]:
+                raise DartInputError(f"{out} is missing, but its state ({state_file.name}) records "
+                                     f"{state['bytes']} bytes of turns: restore it, or write into a new file")
+            turns = []
+        else:
+            half_written = _unrecorded_bytes(out, state, state_file)
+            turns = _recorded_turns(out, state["bytes"], state["kept"], state_file)
         state["settings"]["count"] = count  # a larger count continues the same stream of batches
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "ab"):
         pass
-    if out.stat().st_size < state["bytes"]:
-        raise DartInputError(f"{out} is shorter than its state records ({state['bytes']} bytes): it was changed")
-    os.truncate(out, state["bytes"])  # drop what an interrupted batch appended
-    seen = set()
-    with open(out, encoding="utf-8") as fh:
-        for line in fh:
-            seen.add(normalise(json.loads(line)["prompt"]))
+    if half_written:
+        os.truncate(out, state["bytes"])  # this writer's own half-written batch: it is drawn again
+    state["pending"] = None
+    seen = {normalise(turn) for turn in turns}
     if max_batches is None:
         max_batches = 20 * -(-count // batch_size)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[-1]
@@ -152,7 +249,7 @@ def write_user_turns(model, tokenizer, out_file: str | os.PathLike, count: int, 
     bar = tqdm(total=count, initial=min(state["kept"], count), desc="prompts", unit="turn", disable=not progress)
     while state["kept"] < count and state["batches"] < max_batches:
         index = state["batches"]
-        torch.manual_seed(seed + index)
+        torch.manual_seed((seed + index) % 2**64)
         result = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                                 do_sample=True, temperature=temperature, top_p=top_p, top_k=0,
                                 eos_token_id=stops, pad_token_id=pad).cpu()
@@ -168,20 +265,29 @@ def write_user_turns(model, tokenizer, out_file: str | os.PathLike, count: int, 
                     lines.append(json.dumps({"prompt": text}, ensure_ascii=False) + "\n")
             if reason is not None:
                 state["dropped"][reason] = state["dropped"].get(reason, 0) + 1
-        data = "".join(lines).encode("utf-8")
-        with open(out, "ab") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
+        text = "".join(lines)
+        data = text.encode("utf-8")
+        if data:  # recorded before it is appended: a resumed run knows these bytes as its own
+            state["pending"] = text
+            _write_state(state_file, state)
+            with open(out, "ab") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
         state["bytes"] += len(data)
         state["kept"] += len(lines)
         state["batches"] = index + 1
-        with atomic_write(str(state_file), "w") as fh:
-            json.dump(state, fh, indent=1)
+        state["pending"] = None
+        _write_state(state_file, state)
         bar.update(len(lines))
         bar.set_postfix(batches=state["batches"], dropped=sum(state["dropped"].values()))
     bar.close()
     return state
+
+
+def _write_state(file: Path, state: dict) -> None:
+    with atomic_write(str(file), "w") as fh:
+        json.dump(state, fh, indent=1)
 
 
 def _turn(row: list[int], stops: list[int], special: set, tokenizer, min_chars: int,

@@ -210,9 +210,10 @@ def test_split_windows_and_heldout_split():
     windows = split_windows([(seq, 3)], 4)
     assert [(w.tolist(), p) for w, p in windows] == [([0, 1, 2, 3], 3), ([4, 5, 6, 7], 0)]
     assert split_windows([(seq, 9)], 4) == []  # nothing left to predict after the prompt in any window
-    mask = heldout_mask(1000, 0.02)
-    assert 5 <= mask.sum() <= 40 and np.array_equal(mask, heldout_mask(1000, 0.02))
-    assert heldout_mask(3, 0.02).sum() == 1 and heldout_mask(3, 0.0).sum() == 0
+    distinct = [np.array([i, i + 1]) for i in range(1000)]
+    mask = heldout_mask(distinct, 0.02)
+    assert 5 <= mask.sum() <= 40 and np.array_equal(mask, heldout_mask(distinct, 0.02))
+    assert heldout_mask(distinct[:3], 0.02).sum() == 1 and heldout_mask(distinct[:3], 0.0).sum() == 0
     assert lr_factor(0, 4, 20) == 0.25 and lr_factor(3, 4, 20) == 1.0 and lr_factor(20, 4, 20) == pytest.approx(0)
 
 
@@ -542,8 +543,8 @@ def test_length_buckets_keep_padding_small_and_cover_each_window_once(tmp_path):
                       heldout_fraction=0.0, draft_length=2, draft_vocab_size=32, intermediate_size=32,
                       progress=False)
     trainer = Trainer(cfg, model=target)
-    epoch = trainer._epoch_batches(0)
-    assert sorted(epoch.flatten().tolist()) == list(range(320))  # 40 batches of 8: each window once
+    epoch = np.concatenate([trainer.order.batch(step) for step in range(trainer._batches_per_epoch)])
+    assert sorted(epoch.tolist()) == list(range(320))  # 40 batches of 8: each window once
     batches = [trainer.samples_for(step) for step in range(40)]
     padded = sum(8 * max(len(w) for w, _ in b) for b in batches)
     real = sum(lengths)
@@ -599,7 +600,9 @@ def test_turn_filters_and_duplicate_key():
     assert turn_problem("please help me " * 8, 16, 1500) == "repetitive"
 
 
-def test_written_turns_are_distinct_resumable_and_refuse_other_settings(tmp_path):
+def test_written_turns_are_distinct_resumable_and_refuse_other_settings(tmp_path, monkeypatch):
+    import os
+
     from dart_core import DartInputError
     from dart_train.user_turns import normalise, write_user_turns
 
@@ -615,8 +618,19 @@ def test_written_turns_are_distinct_resumable_and_refuse_other_settings(tmp_path
     # in two calls (a larger count continues the same stream), with a half-written batch between them
     part = tmp_path / "part.jsonl"
     write_user_turns(target, tok, part, count=5, **settings)
-    with open(part, "a") as fh:
-        fh.write('{"prompt": "w1 w2 w3 interrupted')
+    fsync = os.fsync
+
+    def dies_mid_write(fd):  # the next batch's lines reach the output part way, then the process ends
+        if os.fstat(fd).st_ino == part.stat().st_ino:
+            os.ftruncate(fd, os.fstat(fd).st_size - 9)
+            raise KeyboardInterrupt
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", dies_mid_write)
+    with pytest.raises(KeyboardInterrupt):
+        write_user_turns(target, tok, part, count=12, **settings)
+    monkeypatch.setattr(os, "fsync", fsync)
+    assert not part.read_bytes().endswith(b"\n")  # a half-written batch: its own, so the next run cuts it
     write_user_turns(target, tok, part, count=12, **settings)
     assert part.read_text() == whole.read_text()
     assert write_user_turns(target, tok, part, count=12, **settings)["batches"] == state["batches"]  # nothing to do
@@ -645,26 +659,32 @@ def test_cli_prompts_then_distill_them(tmp_path, capsys):
 
 
 def test_data_weights_repeat_a_directory_in_each_epoch_and_keep_the_held_out_split(tiny_run, tmp_path):
-    import shutil
+    from collections import Counter
 
     from dart_core import DartInputError
 
     root, target = tiny_run
     second = tmp_path / "second"
-    shutil.copytree(root / "data", second)
+    second.mkdir()
+    reversed_ = [(t[::-1], 0) for t, _ in read_shards(root / "data")][:20]  # other content than the first directory
+    write_shard(second / "shard-00000.npz", [t for t, _ in reversed_], [0] * len(reversed_))
     data = [str(root / "data"), str(second)]
     plain = Trainer(_config(root, tmp_path / "a", data=data, heldout_fraction=0.1), model=target)
     heavy = Trainer(_config(root, tmp_path / "b", data=data, data_weights=[1, 3], heldout_fraction=0.1),
                     model=target)
-    sequences = [t for t, _ in read_shards(root / "data")] * 2
-    held = heldout_mask(len(sequences), 0.1)
-    second_train = [s for s, h in zip(sequences[len(sequences) // 2:], held[len(sequences) // 2:]) if not h]
-    windows = split_windows([(np.asarray(s), 6) for s in second_train], 32)
-    assert len(windows) > 0 and len(heavy.train_windows) == len(plain.train_windows) + 2 * len(windows)
+    # the windows are the same list (never copied); only the order repeats the second directory's
+    assert [w.tolist() for w, _ in heavy.train_windows] == [w.tolist() for w, _ in plain.train_windows]
     assert [w.tolist() for w, _ in heavy.heldout_windows] == [w.tolist() for w, _ in plain.heldout_windows]
-    last = [w.tolist() for w, _ in heavy.train_windows[-3 * len(windows):]]  # the second directory's, 3 times each
-    tripled = split_windows([(np.asarray(s), 6) for s in second_train for _ in range(3)], 32)
-    assert last == [w.tolist() for w, _ in tripled]
+    sequences = [t for t, _ in read_shards(root / "data")] + [t for t, _ in reversed_]
+    held = heldout_mask(sequences, 0.1)
+    first = len(split_windows([(t, 6) for t, h in zip(sequences[:48], held[:48]) if not h], 32))
+    n = len(heavy.train_windows)
+    assert 0 < first < n
+    counts = Counter(int(i) for step in range(heavy._batches_per_epoch) for i in heavy.order.batch(step))
+    want = {i: 1 if i < first else 3 for i in range(n)}
+    entries = first + 3 * (n - first)
+    assert heavy._batches_per_epoch == entries // 4 and all(counts[i] <= want[i] for i in range(n))
+    assert sum(want[i] - counts[i] for i in range(n)) == entries % 4  # the epoch's remainder, left out
     with pytest.raises(DartInputError, match="one weight per data directory"):
         _config(root, tmp_path / "c", data=data, data_weights=[2]).validate()
     with pytest.raises(DartInputError, match="data_weights"):
