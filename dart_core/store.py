@@ -41,9 +41,10 @@ def check_store_cap(max_tokens) -> int:
 
 class OutputStore:
     """Earlier outputs, matched by suffix (docs/DESIGN.md §2.7). `max_tokens`: the cap (oldest sequences out);
-    `min_match..max_match`: the suffix lengths indexed (a call matching other lengths finds nothing here)."""
+    `min_match..max_match`: the suffix lengths indexed (a call matching other lengths finds nothing here; 2-token
+    matches across calls are weak evidence, so the default starts at 3)."""
 
-    def __init__(self, max_tokens: int = DEFAULT_MAX_TOKENS, min_match: int = 2, max_match: int = 4) -> None:
+    def __init__(self, max_tokens: int = DEFAULT_MAX_TOKENS, min_match: int = 3, max_match: int = 4) -> None:
         self.max_tokens = check_store_cap(max_tokens)
         if not 1 <= min_match <= max_match:
             raise DartInputError(f"an output store needs 1 <= min_match <= max_match, got {min_match}, {max_match}")
@@ -152,21 +153,21 @@ class OutputStore:
             offsets = np.concatenate(([0], np.cumsum(np.fromiter(self._lengths, dtype=np.int64))))
             tokens = flat[keep].copy()
         with atomic_write(path) as handle:
-            np.savez(handle, tokens=tokens, offsets=offsets, max_tokens=np.int64(self.max_tokens))
+            np.savez(handle, tokens=tokens, offsets=offsets,
+                     settings=np.array([self.max_tokens, self.min_match, self.max_match], dtype=np.int64))
 
     @classmethod
-    def load(cls, path: Union[str, os.PathLike], max_tokens: int | None = None, min_match: int = 2,
-             max_match: int = 4) -> "OutputStore":
-        """A store holding the sequences `save` wrote to `path` (cap: `max_tokens`, else the saved one); a file
-        that is not such a store is one DartInputError."""
+    def load(cls, path: Union[str, os.PathLike], max_tokens: int | None = None) -> "OutputStore":
+        """A store holding the sequences `save` wrote to `path`, with its match lengths (cap: `max_tokens`, else the
+        saved one); a file that is not such a store is one DartInputError."""
         try:
             raw = np.load(path, allow_pickle=False)
             if not isinstance(raw, np.lib.npyio.NpzFile):
                 raise ValueError(f"a {type(raw).__name__}, not an .npz archive")
             with raw:
-                tokens, offsets, saved_cap = raw["tokens"], raw["offsets"], raw["max_tokens"]
-            if saved_cap.shape != () or saved_cap.dtype.kind not in "iu":
-                raise ValueError(f"max_tokens is {saved_cap!r}, not one integer")
+                tokens, offsets, settings = raw["tokens"], raw["offsets"], raw["settings"]
+            if settings.shape != (3,) or settings.dtype.kind not in "iu":
+                raise ValueError(f"settings are {settings!r}, not three integers (cap, shortest and longest match)")
         except FileNotFoundError:
             raise
         except Exception as err:  # noqa: BLE001 -- whatever a damaged file makes numpy raise is one clear error
@@ -175,7 +176,8 @@ class OutputStore:
                 or len(offsets) < 1 or offsets[0] != 0 or offsets[-1] != len(tokens)
                 or bool(np.any(np.diff(offsets) < 0)) or (len(tokens) and int(tokens.min()) < 0)):
             raise DartInputError(f"{path} is not an output store (tokens and offsets do not agree)")
-        store = cls(int(saved_cap) if max_tokens is None else max_tokens, min_match, max_match)
+        saved_cap, min_match, max_match = (int(x) for x in settings)
+        store = cls(saved_cap if max_tokens is None else max_tokens, min_match, max_match)
         for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist()):
             store.add(tokens[a:b].tolist())
         return store

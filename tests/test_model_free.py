@@ -97,7 +97,7 @@ def test_store_keeps_the_newest_sequences_within_its_cap_and_matches_a_scan(seed
 
 
 def test_store_by_hand():
-    store = OutputStore(10)
+    store = OutputStore(10, min_match=2)
     store.add([7, 8, 9, 7, 8])  # (7, 8) ends at 1 and at 4; the one at 4 ends the sequence: nothing follows it
     assert store.continuations([7, 8], 5, 3) == [[9, 7, 8]]
     store.add([1, 7, 8, 2])  # newer: first
@@ -114,7 +114,7 @@ def test_store_by_hand():
 
 
 def test_a_sequence_longer_than_the_cap_keeps_its_tail():
-    store = OutputStore(6)
+    store = OutputStore(6, min_match=2)
     store.add([1, 2])
     store.add(list(range(20, 30)))
     assert held(store) == [[24, 25, 26, 27, 28, 29]] and len(store) == 6
@@ -125,7 +125,7 @@ def test_a_sequence_longer_than_the_cap_keeps_its_tail():
 
 
 def test_clear_forgets_every_sequence():
-    store = OutputStore(50)
+    store = OutputStore(50, min_match=2)
     for seq in ([1, 2, 3, 4], [2, 3, 5], [1, 2, 3, 6]):
         store.add(seq)
     store.clear()
@@ -137,14 +137,14 @@ def test_clear_forgets_every_sequence():
 
 def test_save_load_round_trip(tmp_path):
     r = random.Random(1)
-    store, model = OutputStore(40), ListStore(40)
+    store, model = OutputStore(40, min_match=2, max_match=5), ListStore(40)
     for _ in range(12):
         seq = [r.randrange(6) for _ in range(r.randrange(1, 10))]
         store.add(seq)
         model.add(seq)
     store.save(tmp_path / "store.npz")
     loaded = OutputStore.load(tmp_path / "store.npz")
-    assert loaded.max_tokens == 40
+    assert (loaded.max_tokens, loaded.min_match, loaded.max_match) == (40, 2, 5)
     assert_store_is(loaded, model, r, 6)
     smaller, model_smaller = OutputStore.load(tmp_path / "store.npz", max_tokens=10), ListStore(10)
     for seq in model.seqs:
@@ -166,16 +166,18 @@ CORRUPT = {
     "random bytes": lambda good: bytes(random.Random(0).randrange(256) for _ in range(300)),
     "empty": lambda good: b"",
     "text": lambda good: b"not a store\n",
-    "offsets past the tokens": lambda good: npz(tokens=np.arange(5), offsets=np.array([0, 7]), max_tokens=9),
-    "decreasing offsets": lambda good: npz(tokens=np.arange(5), offsets=np.array([0, 4, 2, 5]), max_tokens=9),
-    "float tokens": lambda good: npz(tokens=np.arange(5.0), offsets=np.array([0, 5]), max_tokens=9),
-    "negative tokens": lambda good: npz(tokens=np.array([-3, 4]), offsets=np.array([0, 2]), max_tokens=9),
+    "offsets past the tokens": lambda good: npz(tokens=np.arange(5), offsets=np.array([0, 7]), settings=np.array([9, 2, 4])),
+    "decreasing offsets": lambda good: npz(tokens=np.arange(5), offsets=np.array([0, 4, 2, 5]), settings=np.array([9, 2, 4])),
+    "float tokens": lambda good: npz(tokens=np.arange(5.0), offsets=np.array([0, 5]), settings=np.array([9, 2, 4])),
+    "negative tokens": lambda good: npz(tokens=np.array([-3, 4]), offsets=np.array([0, 2]), settings=np.array([9, 2, 4])),
     "no cap": lambda good: npz(tokens=np.arange(5), offsets=np.array([0, 5])),
-    "no offsets": lambda good: npz(tokens=np.arange(5), max_tokens=9),
-    "a zero cap": lambda good: npz(tokens=np.arange(5), offsets=np.array([0, 5]), max_tokens=0),
+    "no offsets": lambda good: npz(tokens=np.arange(5), settings=np.array([9, 2, 4])),
+    "a zero cap": lambda good: npz(tokens=np.arange(5), offsets=np.array([0, 5]), settings=np.array([0, 2, 4])),
+    "a match range upside down": lambda good: npz(tokens=np.arange(5), offsets=np.array([0, 5]),
+                                                  settings=np.array([9, 4, 2])),
     "truncated": lambda good: good[:len(good) // 2],
     "an .npy array": lambda good: np.save(buffer := io.BytesIO(), np.arange(5)) or buffer.getvalue(),
-    "an array cap": lambda good: npz(tokens=np.arange(5), offsets=np.array([0, 5]), max_tokens=np.array([3, 4])),
+    "two settings": lambda good: npz(tokens=np.arange(5), offsets=np.array([0, 5]), settings=np.array([3, 4])),
 }
 
 
@@ -442,7 +444,7 @@ def test_control_a_broken_store_match_is_caught(monkeypatch, broken):
 def test_drafter_takes_the_ngram_only_where_context_and_store_match_nothing():
     cfg = TreeConfig(context_draft=True, context_matches=2, context_depth=3)
     ngram = NGramModel.build([[9, 8, 7, 6, 5, 4, 3] * 3], order=3, vocab_size=20)
-    store = OutputStore(100)
+    store = OutputStore(100, min_match=2)
     store.add([11, 12, 13, 14])
     rows = [[1, 2, 3, 1, 2], [0, 11, 12], [0, 9, 8], [0, 15, 16]]  # context / store / n-gram / nothing at all
     drafter = ContextDrafter(rows, cfg, store, ngram)
