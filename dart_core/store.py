@@ -19,7 +19,7 @@ import torch
 
 from dart_core.errors import DartInputError
 
-DEFAULT_MAX_TOKENS = 262_144  # about 30 MB of index at 2..4-token matches
+DEFAULT_MAX_TOKENS = 65_536  # at most about 25 MB of index at 3..4-token matches (BENCHMARKS.md)
 SEPARATOR = -1  # between sequences in the token array: no continuation runs past its own sequence
 _KEY_BITS = 32  # bits per token in a packed n-gram key (token ids are < 2**31)
 
@@ -59,8 +59,9 @@ class OutputStore:
             self._offset = 0  # global position of self._tokens[0]
             self._lengths: collections.deque[int] = collections.deque()  # tokens of each held sequence, oldest first
             self._held = 0  # tokens held (separators not counted)
-            # length -> n-gram key -> global end positions, ascending (the oldest at the left)
-            self._ends: dict[int, dict[int, collections.deque]] = {
+            # length -> n-gram key -> its global end position, or a list of them ascending (the oldest first): most
+            # n-grams occur once, and an int costs a fraction of a list
+            self._ends: dict[int, dict[int, Union[int, list[int]]]] = {
                 n: {} for n in range(self.min_match, self.max_match + 1)}
 
     def __len__(self) -> int:
@@ -87,7 +88,14 @@ class OutputStore:
             self._held += len(seq)
             for n, ends in self._ends.items():
                 for i in range(n - 1, len(seq)):
-                    ends.setdefault(_key(seq[i - n + 1:i + 1]), collections.deque()).append(start + i)
+                    key = _key(seq[i - n + 1:i + 1])
+                    held = ends.get(key)
+                    if held is None:
+                        ends[key] = start + i
+                    elif isinstance(held, int):
+                        ends[key] = [held, start + i]
+                    else:
+                        held.append(start + i)
             while self._held > self.max_tokens:
                 self._evict_oldest()
 
@@ -98,10 +106,13 @@ class OutputStore:
         for n, ends in self._ends.items():
             for i in range(n - 1, length):
                 key = _key(seq[i - n + 1:i + 1])
-                positions = ends[key]
-                positions.popleft()
-                if not positions:
+                held = ends[key]
+                if isinstance(held, int):
                     del ends[key]
+                else:
+                    del held[0]
+                    if len(held) == 1:
+                        ends[key] = held[0]
         del self._tokens[:length + 1]
         self._offset += length + 1
         self._held -= length
@@ -114,8 +125,8 @@ class OutputStore:
             return []
         out = []
         with self._lock:
-            positions = self._ends.get(len(suffix), {}).get(_key(suffix))
-            for end in reversed(positions or ()):
+            held = self._ends.get(len(suffix), {}).get(_key(suffix))
+            for end in reversed([held] if isinstance(held, int) else held or ()):
                 i = end + 1 - self._offset
                 cont = self._tokens[i:i + depth].tolist()
                 if SEPARATOR in cont:

@@ -14,7 +14,8 @@ from typing import Optional, Protocol
 
 import torch
 
-from dart_core import DartHead, DraftTreeBatch, Drafter, OutputStore, TreeConfig, draft_context_length, verify_greedy, verify_tree
+from dart_core import (DartHead, DraftTreeBatch, Drafter, OutputStore, TreeConfig, draft_context_length, verify_greedy,
+                       verify_tree)
 from dart_runtime.cuda_graph import cached_graph
 from dart_core.context import SOURCE_HEAD, SOURCE_NGRAM, SOURCE_STORE, ContextDrafter, ContextProposals
 from dart_core.model_free import check_model_free_tree
@@ -28,9 +29,9 @@ from dart_hf.compat import cache_from_caller, supports_logits_to_keep
 from dart_hf.processors import processor_refusal, row_processor
 from dart_hf.stopping import Stopper, pad_token
 from dart_hf.target import (AttentionLayout, TargetPlan, attention_layout, check_architecture, check_attention,
-                            check_cache, check_ngram_fits, check_tree_fits, crop_cache, hidden_state_request, keep_accepted_path, plan_for,
-                            prompt_positions, sliding_dropped, tapped_hidden_states, tree_attention_mask, tree_forward, tree_forwards, tree_settings,
-                            whole_sliding_layers)
+                            check_cache, check_ngram_fits, check_tree_fits, crop_cache, hidden_state_request,
+                            keep_accepted_path, plan_for, prompt_positions, sliding_dropped, tapped_hidden_states,
+                            tree_attention_mask, tree_forward, tree_forwards, tree_settings, whole_sliding_layers)
 
 
 def tau_of(accepted: int, steps: int) -> float:
