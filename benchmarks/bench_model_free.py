@@ -123,18 +123,28 @@ class Tally:
                                       if self.steps[m]}}
 
 
-def run_prompts(model, table: dict, prompts, max_new_tokens: int, sample: bool) -> dict:
-    """Every prompt through every method back to back (stores emptied first)."""
+def empty_stores(table: dict) -> None:
     for _, store, _ in table.values():
         if isinstance(store, OutputStore):
             store.clear()
+
+
+def every_method(model, table: dict, ids, max_new_tokens: int, sample: bool, seed: int, tally: "Tally") -> dict:
+    """One prompt through every method back to back, tallied -> {method: output}."""
+    outs = {}
+    for name, method in table.items():
+        out, seconds, stats = call(model, method, ids, max_new_tokens, sample, seed)
+        outs[name] = out
+        tally.add(name, out, ids.shape[1], seconds, stats)
+    return outs
+
+
+def run_prompts(model, table: dict, prompts, max_new_tokens: int, sample: bool) -> dict:
+    """Every prompt through every method back to back (stores emptied first)."""
+    empty_stores(table)
     tally, identical = Tally(table), 0
     for i, ids in enumerate(prompts):
-        outs = {}
-        for name, method in table.items():
-            out, seconds, stats = call(model, method, ids, max_new_tokens, sample, seed=i)
-            outs[name] = out
-            tally.add(name, out, ids.shape[1], seconds, stats)
+        outs = every_method(model, table, ids, max_new_tokens, sample, i, tally)
         identical += all(torch.equal(o, outs["plain"]) for o in outs.values())
     return tally.summary(identical if not sample else len(prompts), len(prompts))
 
@@ -142,17 +152,11 @@ def run_prompts(model, table: dict, prompts, max_new_tokens: int, sample: bool) 
 def run_edit_loop(model, tokenizer, table: dict, max_new_tokens: int, edits: int) -> dict:
     """`edits` greedy calls, each prompt holding the previous output and an edit request (the chain follows plain's
     output; every method must give it)."""
-    for _, store, _ in table.values():
-        if isinstance(store, OutputStore):
-            store.clear()
+    empty_stores(table)
     tally, identical, text = Tally(table), 0, EDIT_SEED
     for i in range(edits):
         ids = chat_ids(tokenizer, text)
-        outs = {}
-        for name, method in table.items():
-            out, seconds, stats = call(model, method, ids, max_new_tokens, False, seed=i)
-            outs[name] = out
-            tally.add(name, out, ids.shape[1], seconds, stats)
+        outs = every_method(model, table, ids, max_new_tokens, False, i, tally)
         identical += all(torch.equal(o, outs["plain"]) for o in outs.values())
         answer = tokenizer.decode(outs["plain"][0, ids.shape[1]:], skip_special_tokens=True)
         text = f"{answer}\n\n{EDIT_REQUESTS[i % len(EDIT_REQUESTS)]}"

@@ -169,3 +169,23 @@ def left_padded(prompts: list[torch.Tensor], pad: int = 0) -> tuple[torch.Tensor
     for i, p in enumerate(prompts):
         ids[i, width - len(p):], mask[i, width - len(p):] = p, 1
     return ids, mask
+
+
+def turn_writer():
+    """A tiny target with a word tokenizer whose template ends a message with the special token <eot> (id 3), and
+    an lm_head that makes <eot> likely, so sampled user turns end."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "<pad>", "<eos>", "<eot>"] + [f"w{i}" for i in range(89)] + ["hello", "world", "user"]
+    backend = Tokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>",
+                                  additional_special_tokens=["<eot>"])
+    tok.chat_template = "hello {% for m in messages %}{{ m['role'] }} {{ m['content'] }} <eot> {% endfor %}"
+    target = tiny_target(seed=3)
+    with torch.no_grad():
+        target.lm_head.weight[3].mul_(4.0)
+    return target, tok

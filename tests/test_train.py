@@ -21,7 +21,7 @@ from dart_train.features import collate, target_features
 from dart_train.loss import TrainingForward, anchor_range, choose_anchors, dart_loss, kl_and_agreement
 from dart_train.trainer import TrainConfig, Trainer, heldout_mask, lr_factor, split_windows, train
 from dart_train.vocab import build_draft_vocab, count_tokens, draft_vocab_buffers, select_draft_tokens
-from hf_models import random_head, tiny_target
+from hf_models import random_head, tiny_target, turn_writer
 
 torch.set_num_threads(1)
 
@@ -554,32 +554,12 @@ def test_length_buckets_keep_padding_small_and_cover_each_window_once(tmp_path):
 
 
 # ---- prompts written by the target (`dart-spec prompts`) -------------------------------------------------------------
-def _turn_writer(tmp_path):
-    """A tiny target with a word tokenizer whose template ends a message with the special token <eot> (id 3), and
-    an lm_head that makes <eot> likely, so sampled user turns end."""
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import Whitespace
-    from transformers import PreTrainedTokenizerFast
-
-    words = ["<unk>", "<pad>", "<eos>", "<eot>"] + [f"w{i}" for i in range(89)] + ["hello", "world", "user"]
-    backend = Tokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    backend.pre_tokenizer = Whitespace()
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>",
-                                  additional_special_tokens=["<eot>"])
-    tok.chat_template = "hello {% for m in messages %}{{ m['role'] }} {{ m['content'] }} <eot> {% endfor %}"
-    target = tiny_target(seed=3)
-    with torch.no_grad():
-        target.lm_head.weight[3].mul_(4.0)
-    return target, tok
-
-
 def test_user_turn_prompt_is_the_template_cut_where_the_message_begins():
     from dart_core import DartInputError
     from dart_train.user_turns import user_turn_prompt
     from hf_models import char_tokenizer
 
-    _, tok = _turn_writer(None)
+    _, tok = turn_writer()
     assert user_turn_prompt(tok) == ([93, 95], [3, 2])  # "hello user", then <eot> (the template's) or <eos>
     chars = char_tokenizer()  # "user: TEXT\n": nothing special after the text, so the EOS alone ends the turn
     prompt, stops = user_turn_prompt(chars)
@@ -606,7 +586,7 @@ def test_written_turns_are_distinct_resumable_and_refuse_other_settings(tmp_path
     from dart_core import DartInputError
     from dart_train.user_turns import normalise, write_user_turns
 
-    target, tok = _turn_writer(tmp_path)
+    target, tok = turn_writer()
     settings = dict(batch_size=8, max_new_tokens=16, min_chars=8, progress=False)
     whole = tmp_path / "whole.jsonl"
     state = write_user_turns(target, tok, whole, count=12, **settings)
@@ -643,7 +623,7 @@ def test_written_turns_are_distinct_resumable_and_refuse_other_settings(tmp_path
 
 
 def test_cli_prompts_then_distill_them(tmp_path, capsys):
-    target, tok = _turn_writer(tmp_path)
+    target, tok = turn_writer()
     target.save_pretrained(tmp_path / "target")
     tok.save_pretrained(tmp_path / "target")
     prompts = tmp_path / "turns.jsonl"

@@ -11,13 +11,12 @@ import tracemalloc
 
 import numpy as np
 import pytest
-import torch
 
 from dart_cli.main import main
 from dart_core import DartInputError
 from dart_train.data import read_shards, write_shard
 from dart_train.trainer import TrainConfig, Trainer, heldout_mask
-from hf_models import tiny_target
+from hf_models import turn_writer
 from test_train import _config
 
 
@@ -35,20 +34,7 @@ def one_line(argv, capsys, *words) -> str:
 def writer(tmp_path_factory):
     """A tiny target directory whose word tokenizer ends a user message with the special token <eot>, made likely,
     so sampled user turns end; and the argv of `dart-spec prompts` with it (without --out and --count)."""
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import Whitespace
-    from transformers import PreTrainedTokenizerFast
-
-    words = ["<unk>", "<pad>", "<eos>", "<eot>"] + [f"w{i}" for i in range(89)] + ["hello", "world", "user"]
-    backend = Tokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    backend.pre_tokenizer = Whitespace()
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>",
-                                  additional_special_tokens=["<eot>"])
-    tok.chat_template = "hello {% for m in messages %}{{ m['role'] }} {{ m['content'] }} <eot> {% endfor %}"
-    target = tiny_target(seed=3)
-    with torch.no_grad():
-        target.lm_head.weight[3].mul_(4.0)
+    target, tok = turn_writer()
     root = tmp_path_factory.mktemp("writer")
     target.save_pretrained(root / "target")
     tok.save_pretrained(root / "target")
