@@ -45,6 +45,7 @@ import os
 import platform
 import statistics
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -55,6 +56,7 @@ import torch
 from dart_core import AcceptanceCurve, DartHead, TreeConfig
 from dart_core.errors import DartInputError
 from dart_core.io import atomic_write, cache_root
+from dart_runtime.matmul import adopt_kernel_choices, kernel_choices
 from dart_runtime.timing import interleaved_seconds, now
 from dart_hf.compat import attention_implementation
 from dart_hf.loop import DartStats, dart_decoding, is_enabled, last_stats
@@ -515,6 +517,49 @@ def write_cache_file(path: Path, data: dict) -> bool:
         return False
     _MEMORY.pop(str(path), None)
     return True
+
+
+# ---- the few-row kernel choices, kept across processes -------------------------------------------------------------
+KERNELS_VERSION = 1
+_KERNELS = {"loaded": False, "saved": 0}  # whether this process adopted the cached choices; how many it last saved
+_KERNELS_LOCK = threading.Lock()
+
+
+def kernel_choices_path() -> Path:
+    """Where this machine's few-row kernel choices are kept (one file per CPU and torch version)."""
+    machine = {"cpu": device_name(torch.device("cpu")), "torch": torch.__version__}
+    return Path(cache_root()) / "kernels" / f"{_digest(machine)}.json"
+
+
+def load_kernel_choices() -> None:
+    """Once per process: adopt the few-row kernel choices an earlier process on this machine measured
+    (`dart_runtime.matmul.adopt_kernel_choices`), so that its first trees of each size are not measured again. A file
+    that is not such choices is ignored with one `DartCacheWarning` (and replaced at the next save)."""
+    with _KERNELS_LOCK:
+        if _KERNELS["loaded"]:
+            return
+        _KERNELS["loaded"] = True
+        path = kernel_choices_path()
+        try:
+            raw = read_cache_file(path)
+            if raw is not NO_FILE:
+                if not isinstance(raw, dict) or raw.get("version") != KERNELS_VERSION:
+                    raise ValueError("not a kernel choice file of this version")
+                adopt_kernel_choices(raw.get("choices"))
+        except ValueError as err:
+            warnings.warn(f"ignoring the kernel choices {path}: {err}; they are measured again", DartCacheWarning,
+                          stacklevel=3)
+        _KERNELS["saved"] = len(kernel_choices())
+
+
+def save_kernel_choices() -> None:
+    """Keep this process's few-row kernel choices for later processes, when it measured new ones."""
+    choices = kernel_choices()
+    with _KERNELS_LOCK:
+        if len(choices) <= _KERNELS["saved"]:
+            return
+        _KERNELS["saved"] = len(choices)
+    write_cache_file(kernel_choices_path(), {"version": KERNELS_VERSION, "choices": choices})
 
 
 def cached_machine_cost(model, head: DartHead) -> Optional[MachineCost]:

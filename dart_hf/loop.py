@@ -350,6 +350,8 @@ def dart_decoding(model, input_ids: torch.LongTensor, logits_processor, stopping
 
 def _decode(call: Call):
     """`dart_decoding`'s body: prepare (every check), prefill, then emit / draft / verify until done."""
+    from dart_hf.calibration import load_kernel_choices, save_kernel_choices  # (calibration imports this module)
+
     t_start = now()
     _record_stats(call.model, None)
     run = _start(call)
@@ -360,6 +362,7 @@ def _decode(call: Call):
         batch, step, head_cache = prefill(run.verifier, head, run.input_ids, run.prepared.attention_mask,
                                           run.prepared.positions, run.prepared.past, carried, run.context_len,
                                           run.stats)
+        load_kernel_choices()  # what earlier processes measured here (once per process)
         with tree_forwards(call.model), few_row_linears(head):
             while not run.emit(batch, step):
                 t_step = now()
@@ -370,6 +373,7 @@ def _decode(call: Call):
                 run.observe(size, rows, context, now() - t_step, run.stats.accepted_ranks[ranked:])
         output = run.finish(step, head_cache)
     run.stats.total_time = now() - t_start
+    save_kernel_choices()  # what this call measured, for later processes on this machine
     return run.result(output)
 
 

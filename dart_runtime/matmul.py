@@ -54,7 +54,6 @@ ROW_BUCKETS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # a row count is decided 
 # default.
 MARGIN = 0.9
 REPEATS = 5  # timed passes of each product (after one warm-up pass), interleaved
-_FASTER: dict[tuple, bool] = {}  # a weight outside any group: (N, K, bucket, threads, dtype) -> `W @ x.T` faster
 
 
 def transposed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -67,15 +66,38 @@ def transposed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
 
 class LinearGroup:
-    """The `nn.Linear` layers one module registered (a target, a head), and for each (row bucket, threads, dtype)
-    whether `W @ x.T` is the faster product over their weights."""
+    """The `nn.Linear` layers one module registered (a target, a head); `shapes`: their weights' shapes, which with
+    the row bucket, threads and dtype key the kernel choice (`kernel_choices`)."""
 
     def __init__(self, layers: list[nn.Linear]) -> None:
         self._layers = [weakref.ref(layer) for layer in layers]
-        self.faster: dict[tuple, bool] = {}
+        self.shapes = "x".join(f"{n}:{k}" for n, k in (layer.weight.shape for layer in layers))
 
     def weights(self) -> list[torch.Tensor]:
         return [layer.weight for layer in (ref() for ref in self._layers) if layer is not None]
+
+
+# "<group shapes or weight shape>|<bucket>|<threads>|<dtype>" -> whether `W @ x.T` is the faster product there: what
+# this process measured or adopted (`adopt_kernel_choices`: a cache keeps them across processes on one machine)
+_CHOICES: dict[str, bool] = {}
+_CHOICES_LOCK = threading.Lock()
+
+
+def kernel_choices() -> dict[str, bool]:
+    """A copy of the kernel choices this process knows."""
+    with _CHOICES_LOCK:
+        return dict(_CHOICES)
+
+
+def adopt_kernel_choices(choices: dict[str, bool]) -> None:
+    """Take `choices` (from `kernel_choices` of an earlier process on this machine) as measured; keys this process
+    measured itself keep their values. Entries that are not a string key and a bool are ValueError."""
+    if not isinstance(choices, dict) or any(not isinstance(k, str) or not isinstance(v, bool)
+                                            for k, v in choices.items()):
+        raise ValueError("kernel choices are an object of string keys and true/false values")
+    with _CHOICES_LOCK:
+        for key, value in choices.items():
+            _CHOICES.setdefault(key, value)
 
 
 # id(weight) -> (a weak reference to the weight, its group); a tensor's `==` is elementwise, so no WeakKeyDictionary
@@ -115,16 +137,18 @@ def _median_pass_seconds(products: list[Callable], weights: list[torch.Tensor], 
 def transposed_is_faster(weight: torch.Tensor, rows: int) -> bool:
     """Whether `W @ x.T` beats `F.linear` for `rows` (2..MAX_ROWS) rows through `weight` on this machine with the
     current thread count and the weight's dtype: measured at the first call for the row bucket over all weights of
-    the weight's group (`LinearGroup`; a weight outside one alone), then remembered for the process."""
+    the weight's group (`LinearGroup`; a weight outside one alone), then remembered (`kernel_choices`)."""
     bucket = next(b for b in ROW_BUCKETS if b >= rows)
     group = group_of(weight)
-    table, key = (group.faster, (bucket, torch.get_num_threads(), weight.dtype)) if group is not None else \
-        (_FASTER, (*weight.shape, bucket, torch.get_num_threads(), weight.dtype))
-    faster = table.get(key)
+    shapes = group.shapes if group is not None else "{}:{}".format(*weight.shape)
+    key = f"{shapes}|{bucket}|{torch.get_num_threads()}|{str(weight.dtype).replace('torch.', '')}"
+    faster = _CHOICES.get(key)
     if faster is None:
         weights = group.weights() if group is not None else [weight]
         plain, transposed = _median_pass_seconds([F.linear, transposed_linear], weights, bucket)
-        faster = table[key] = transposed <= MARGIN * plain
+        faster = transposed <= MARGIN * plain
+        with _CHOICES_LOCK:
+            faster = _CHOICES.setdefault(key, faster)
     return faster
 
 

@@ -46,7 +46,7 @@ def test_few_row_linear_takes_the_product_measured_faster_for_few_rows(two_threa
 
 
 def test_the_measured_choice_is_made_once_per_group_row_bucket_threads_and_dtype(two_threads, monkeypatch):
-    monkeypatch.setattr(matmul, "_FASTER", {})
+    monkeypatch.setattr(matmul, "_CHOICES", {})
     timed = []
     timings = iter([(1.0, 0.5), (1.0, 0.95), (1.0, 0.5), (1.0, 0.5)])  # first 2x faster, then only 5% faster
 
@@ -65,7 +65,24 @@ def test_the_measured_choice_is_made_once_per_group_row_bucket_threads_and_dtype
     model.to(torch.bfloat16)  # another dtype is measured anew, for the same group
     assert matmul.transposed_is_faster(model[0].weight, 2) and timed[-1] == (2, 2)
     assert matmul.transposed_is_faster(lone, 2) and timed[-1] == (1, 2)  # a weight outside any group: alone
-    assert sorted(key[2] for key in matmul._FASTER) == [2]
+    assert [k for k in matmul.kernel_choices() if k.startswith("8:4|")] == ["8:4|2|2|float32"]  # the lone weight's
+    model_copy = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4))  # another module of the same shapes: same choices
+    matmul.install_few_row_forwards(model_copy)
+    assert matmul.transposed_is_faster(model_copy[0].weight, 5) and len(timed) == 4
+
+
+def test_adopted_choices_are_not_measured_again_and_bad_ones_are_refused(two_threads, monkeypatch):
+    monkeypatch.setattr(matmul, "_CHOICES", {})
+    monkeypatch.setattr(matmul, "_median_pass_seconds", lambda *a: pytest.fail("measured an adopted choice"))
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4))
+    matmul.install_few_row_forwards(model)
+    matmul.adopt_kernel_choices({"8:4x4:8|6|2|float32": True, "8:4x4:8|8|2|float32": False})
+    assert matmul.transposed_is_faster(model[0].weight, 5) and not matmul.transposed_is_faster(model[1].weight, 7)
+    matmul.adopt_kernel_choices({"8:4x4:8|6|2|float32": False})  # what this process knows stays
+    assert matmul.transposed_is_faster(model[0].weight, 6)
+    for bad in ([1], {"k": 1}, {"k": "yes"}, {3: True}):
+        with pytest.raises(ValueError):
+            matmul.adopt_kernel_choices(bad)
 
 
 def test_the_pass_timing_streams_every_weight_with_each_product():
