@@ -235,6 +235,7 @@ def lossy_verify(trees, logits, context_ids=None, logits_processor=None, do_samp
     return result
 
 
+@pytest.mark.slow  # 3,500 generate() calls
 def test_sampling_keeps_the_target_distribution_and_a_lossy_control_fails(monkeypatch):
     model = dart_hf.enable(tiny_target(vocab=8, layers=4, hidden=16, seed=3), False)
     exact = exact_two_token_distribution(model, SAMPLING_PROMPT).flatten()

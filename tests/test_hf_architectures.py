@@ -57,6 +57,7 @@ NOT_BUILT = {
 }
 
 
+@pytest.mark.slow  # every transformers decoder
 @pytest.mark.parametrize("model_type", sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES))
 def test_every_causal_lm_decodes_as_plain_or_is_refused_by_name(model_type):
     """With a head and with model-free drafting (`ModelFreeDrafter`, from a prompt that repeats)."""

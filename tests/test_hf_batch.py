@@ -106,6 +106,7 @@ def lossy_verify(trees, logits, context_ids=None, logits_processor=None, do_samp
     return VerifyResult(nodes, lengths, bonus)
 
 
+@pytest.mark.slow  # 2,300 generate() calls
 def test_sampling_keeps_each_rows_distribution_and_a_lossy_control_fails(monkeypatch):
     model = dart_hf.enable(tiny_target(vocab=8, layers=4, hidden=16, seed=3), False)
     ids = torch.tensor([[1, 2, 3, 4], [PAD, 5, 6, 7]])
