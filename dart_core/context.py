@@ -97,17 +97,18 @@ class ContextRow:
 
     def continuations(self, count: int, depth: int, eos_token_id: Optional[int] = None,
                       store: Optional["OutputStore"] = None) -> tuple[int, list[list[int]], list[int]]:
-        """(m, continuations, their sources): the up to `depth` tokens after each of the latest `count` earlier ends
-        of the row's longest suffix (min_match..max_match) that also ends earlier in it (source `SOURCE_CONTEXT`),
-        then, where `store` holds the row's longest suffix at least that long, after each of that suffix's latest
-        `count` occurrences there (`SOURCE_STORE`), each cut after its first EOS; m the longer of the two matches."""
+        """(m, continuations, their sources): the longest suffix length m (min_match..max_match) that also ends
+        earlier in the row or in `store`, and the up to `depth` tokens after each of its latest `count` earlier ends
+        in the row (source `SOURCE_CONTEXT`) then after each of its latest `count` occurrences in the store
+        (`SOURCE_STORE`), each cut after its first EOS."""
         m, ends = self.matches(count)
         found = [(self.tokens[end + 1:end + 1 + depth], SOURCE_CONTEXT) for end in ends]
-        if store is not None:  # a match in the store at least as long joins the row's own, scored with the longer
+        if store is not None:  # a longer match in the store wins; one as long joins the row's own
             for length in range(min(self.max_match, len(self.tokens)), max(m, self.min_match) - 1, -1):
                 extra = store.continuations(self._suffix(length), count, depth)
                 if extra:
-                    m = length
+                    if length > m:
+                        m, found = length, []
                     found += [(cont, SOURCE_STORE) for cont in extra]
                     break
         if not m:

@@ -125,8 +125,8 @@ def reference_store_paths(tokens, store_sequences, cfg, store_match=(2, 4)):
     `store_sequences` (oldest first) that indexes suffixes of `store_match` (min, max) tokens: {token path: (score,
     source bits)}. The row's longest earlier suffix match (its latest `context_matches` ends); the store's longest
     match of at least that length (its latest `context_matches` occurrences with a continuation: newest sequence
-    first, latest position first within one, cut at the sequence's end) join after the row's, the trie scored with
-    the longer of the two matches. Every continuation cut after its first EOS. Scans every position."""
+    first, latest position first within one, cut at the sequence's end): a longer one replaces the row's, one as long
+    joins after the row's. Every continuation cut after its first EOS. Scans every position."""
     from dart_core.context import SOURCE_CONTEXT, SOURCE_STORE
 
     if not cfg.context_draft:
@@ -154,7 +154,8 @@ def reference_store_paths(tokens, store_sequences, cfg, store_match=(2, 4)):
                 if held[e - length + 1:e + 1] == suffix:
                     extra.append((tuple(held[e + 1:e + 1 + depth]), SOURCE_STORE))
         if extra:
-            m = length
+            if length > m:
+                m, found = length, []
             found += extra[:count]
             break
     if not m or depth < 1:

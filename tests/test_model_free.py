@@ -376,22 +376,21 @@ def test_row_and_store_paths_equal_the_brute_force(seed):
 
 
 def test_the_random_cases_cover_every_store_rule():
-    """The comparison above sees each rule: the store's match alone, a longer store match joining the row's, one as
+    """The comparison above sees each rule: the store's match alone, a longer store match replacing the row's, one as
     long joining it, and the row's alone."""
-    cases = dict(store_alone=0, longer_joined=0, joined=0, row_alone=0)
+    cases = dict(store_alone=0, store_wins=0, joined=0, row_alone=0)
     for seed in range(20):
         stream, seqs, cfg, store_match, cap = random_case(seed)
-        store, kept = store_of(seqs, store_match, cap)
+        _, kept = store_of(seqs, store_match, cap)
         for n in range(2, len(stream) + 1):
             bits = {b for _, b in reference_store_paths(stream[:n], kept, cfg, store_match).values()}
-            row = ContextRow(stream[:n], cfg.context_min_match, cfg.context_max_match)
-            if not any(b & SOURCE_STORE for b in bits):
-                cases["row_alone"] += bool(bits)
-            elif not reference_context_paths(stream[:n], cfg):
-                cases["store_alone"] += 1
-            else:
-                longer = row.continuations(cfg.context_matches, 1, None, store)[0] > row.matches(1)[0]
-                cases["longer_joined" if longer else "joined"] += 1
+            own = reference_context_paths(stream[:n], cfg)
+            if bits and all(b == SOURCE_STORE for b in bits):
+                cases["store_wins" if own else "store_alone"] += 1
+            elif any(b & SOURCE_STORE for b in bits):
+                cases["joined"] += 1
+            elif bits:
+                cases["row_alone"] += 1
     assert min(cases.values()) > 0, cases
 
 
@@ -402,16 +401,15 @@ def test_row_and_store_by_hand():
     store = OutputStore(100, 2, 3)
     store.add([7, 8, 2, 2])
     assert row.continuations(4, 2, None, store) == (2, [[1, 4], [2, 2]], [SOURCE_CONTEXT, SOURCE_STORE])
-    store.add([4, 7, 8, 6])  # a longer match (4, 7, 8) in the store joins the row's, scored with m = 3
-    assert row.continuations(4, 2, None, store) == (3, [[1, 4], [6]], [SOURCE_CONTEXT, SOURCE_STORE])
+    store.add([4, 7, 8, 6])  # a longer match (4, 7, 8) in the store replaces the row's
+    assert row.continuations(4, 2, None, store) == (3, [[6]], [SOURCE_STORE])
     store.add([1, 4, 7, 8])  # (4, 7, 8) ends this sequence: nothing follows, the earlier occurrence stays
-    assert row.continuations(4, 2, None, store) == (3, [[1, 4], [6]], [SOURCE_CONTEXT, SOURCE_STORE])
+    assert row.continuations(4, 2, None, store) == (3, [[6]], [SOURCE_STORE])
     assert row.continuations(4, 2, 1, None) == (2, [[1]], [SOURCE_CONTEXT])  # cut after the EOS (1)
-    assert [e[:3] + e[4:] for e in row.paths(cfg, store)] == [(1, -1, 1, SOURCE_CONTEXT), (6, -1, 1, SOURCE_STORE),
-                                                              (4, 0, 2, SOURCE_CONTEXT)]  # the trie of both
+    assert [e[:3] + e[4:] for e in row.paths(cfg, store)] == [(6, -1, 1, SOURCE_STORE)]  # the trie of that match
 
 
-@pytest.mark.parametrize("broken", ["earliest store occurrences", "store ignored", "a longer store match replaces",
+@pytest.mark.parametrize("broken", ["earliest store occurrences", "store ignored", "a longer store match joins",
                                     "an as-long store match is dropped", "store continuations one token short"])
 def test_control_a_broken_store_match_is_caught(monkeypatch, broken):
     original_row, original_store = ContextRow.continuations, OutputStore.continuations
@@ -428,8 +426,8 @@ def test_control_a_broken_store_match_is_caught(monkeypatch, broken):
         stored = [c for c, s in zip(conts, sources) if s == SOURCE_STORE]
         if broken == "store ignored":
             return m_row, own, [SOURCE_CONTEXT] * len(own)
-        if broken == "a longer store match replaces" and m > m_row > 0:
-            return m, stored, [SOURCE_STORE] * len(stored)
+        if broken == "a longer store match joins" and m > m_row > 0:
+            return m, own + stored, [SOURCE_CONTEXT] * len(own) + [SOURCE_STORE] * len(stored)
         if broken == "an as-long store match is dropped" and m == m_row:
             return m_row, own, [SOURCE_CONTEXT] * len(own)
         return m, conts, sources
