@@ -101,7 +101,9 @@ def model_demo(prompt: str = DEFAULT_PROMPT, max_new_tokens: int = 128, repeats:
             print(choice.format_table())
     fixed = None if remain_total is None else dataclasses.replace(base_tree_config(model, head),
                                                                   remain_total=remain_total)
-    dart_hf.enable(model, head, tree_config=fixed)
+    # no store of earlier outputs: the demo times the same prompt again and again, and a store would copy the earlier
+    # answers (a repeated workload's speedup, not the head's)
+    dart_hf.enable(model, head, tree_config=fixed, store=False)
     threads = torch.get_num_threads()
     device = next(model.parameters()).device
     trees = f"a fixed tree of {remain_total} draft nodes" if fixed is not None else \
