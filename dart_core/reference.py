@@ -63,20 +63,26 @@ def reference_tree(tokens, probs, context, trie, cfg):
 
 
 
+def _row_match(seq: list[int], cfg) -> tuple[int, list[int]]:
+    """(m, ends): the longest suffix length m (context_min_match..context_max_match) of `seq` that also ends earlier
+    in it and every such earlier end position, by scanning them all; (0, []) without one."""
+    n = len(seq)
+    for length in range(min(cfg.context_max_match, n - 1), cfg.context_min_match - 1, -1):
+        suffix = seq[n - length:]
+        ends = [e for e in range(length - 1, n - 1) if seq[e - length + 1:e + 1] == suffix]
+        if ends:
+            return length, ends
+    return 0, []
+
+
 def reference_context_paths(tokens, cfg):
     """Brute force of docs/DESIGN.md §2.6 for one row (`tokens`, ending with the root): {token path: score} of its
     context trie. Scans every earlier end position of every suffix length; scores in float64."""
     if not cfg.context_draft:
         return {}
-    seq, n = [int(t) for t in tokens], len(tokens)
+    seq = [int(t) for t in tokens]
     depth = min(cfg.context_depth, cfg.max_depth or cfg.context_depth)
-    m, ends = 0, []
-    for length in range(min(cfg.context_max_match, n - 1), cfg.context_min_match - 1, -1):
-        suffix = seq[n - length:]
-        ends = [e for e in range(length - 1, n - 1) if seq[e - length + 1:e + 1] == suffix]
-        if ends:
-            m = length
-            break
+    m, ends = _row_match(seq, cfg)
     conts = []
     for e in sorted(ends, reverse=True)[:cfg.context_matches]:
         cont = seq[e + 1:e + 1 + depth]
@@ -134,14 +140,8 @@ def reference_store_paths(tokens, store_sequences, cfg, store_match=(2, 4)):
     seq, n = [int(t) for t in tokens], len(tokens)
     depth = min(cfg.context_depth, cfg.max_depth or cfg.context_depth)
     count = cfg.context_matches
-    m, found = 0, []
-    for length in range(min(cfg.context_max_match, n - 1), cfg.context_min_match - 1, -1):
-        suffix = seq[n - length:]
-        ends = [e for e in range(length - 1, n - 1) if seq[e - length + 1:e + 1] == suffix]
-        if ends:
-            m = length
-            found = [(tuple(seq[e + 1:e + 1 + depth]), SOURCE_CONTEXT) for e in sorted(ends, reverse=True)[:count]]
-            break
+    m, ends = _row_match(seq, cfg)
+    found = [(tuple(seq[e + 1:e + 1 + depth]), SOURCE_CONTEXT) for e in sorted(ends, reverse=True)[:count]]
     lo, hi = store_match
     for length in range(min(cfg.context_max_match, n), max(m, cfg.context_min_match) - 1, -1):
         if not lo <= length <= hi or depth < 1:

@@ -79,7 +79,7 @@ class DartGenerationMixin:
                 raise ValueError(f"dart_head cannot be combined with {clash}=")
             return self._plain_generate(f"the call passes {clash}=", inputs, generation_config, kwargs)
         context = context_drafting(options.head, options.tree_config, options.context_draft)
-        stored = isinstance(options.store, OutputStore)  # earlier outputs change what trees accept: apart estimates
+        stored = options.output_store is not None  # earlier outputs change what trees accept: apart estimates
         if options.tree_config is None:  # each step's tree chosen by what DART measures here (dart_hf.controller)
             controller = existing_controller(self, options.head, context, stored)
             mode, reason = "dart", None
@@ -87,7 +87,7 @@ class DartGenerationMixin:
                 mode, reason = controller.call_mode(*_call_shape(inputs, kwargs))
             if mode == "plain":
                 result = self._timed_plain_generate(controller, reason, inputs, generation_config, kwargs)
-                remember_outputs(options.store, inputs, kwargs, result, self._call_eos(generation_config, kwargs))
+                remember_outputs(options.output_store, inputs, kwargs, result, self._call_eos(generation_config, kwargs))
                 return result
             # the controller is made (its first-call measurement) once the call's checks have passed
             policy = CallPolicy(functools.partial(controller_for, self, options.head, context, stored),
@@ -105,7 +105,7 @@ class DartGenerationMixin:
         try:  # generate() drops the call's tokenizer on the custom_generate path: the two methods below get it here
             result = contextvars.copy_context().run(_with_tokenizer, tokenizer, super().generate, inputs,
                                                     generation_config, **dart_kwargs)
-            remember_outputs(options.store, inputs, kwargs, result, self._call_eos(generation_config, kwargs))
+            remember_outputs(options.output_store, inputs, kwargs, result, self._call_eos(generation_config, kwargs))
             return result
         except NotApplicable as err:
             if explicit:
@@ -233,7 +233,7 @@ PROMPT_TAIL = 16  # prompt tokens kept before each output in the store: a later 
 def remember_outputs(store: Optional[OutputStore], inputs, kwargs: dict, result, eos) -> None:
     """Keep each row of a finished call in `store` (when there is one): its last `PROMPT_TAIL` prompt tokens and its
     new tokens up to and including the first of the `eos` ids (an id, a list or a tensor of them, or None)."""
-    if not isinstance(store, OutputStore):
+    if store is None:
         return
     ids = inputs if inputs is not None else kwargs.get("input_ids")
     sequences = getattr(result, "sequences", result)

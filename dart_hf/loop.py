@@ -263,6 +263,11 @@ class DartOptions:
                 raise DartInputError("dart_cuda_graph=True replays a head's drafting pass; model-free drafting has "
                                      "none (its trees are built on the host)")
 
+    @property
+    def output_store(self) -> Optional[OutputStore]:
+        """The store of earlier outputs the call matches (None: none)."""
+        return self.store if isinstance(self.store, OutputStore) else None
+
     def with_call(self, asked: dict) -> "DartOptions":
         """These settings with a call's `dart_*` arguments (`asked`, without `dart_head`) taking precedence."""
         given = {name[len("dart_"):]: value for name, value in asked.items() if value is not None}
@@ -408,18 +413,13 @@ def _start(call: Call) -> "Run":
     if tree_config.context_draft:  # each row's prompt without its padding; the first new token joins at `emit`
         mask = prepared.attention_mask.bool()
         context = head.context_drafter([ids[keep] for ids, keep in zip(input_ids, mask)], tree_config,
-                                       _store_of(call.options), ngram)
+                                       call.options.output_store, ngram)
     run = Run(call, prepared, input_ids, tree_config, ngram, graphs, draft_context_length(ngram), verifier,
               Stopper(input_ids, call.stopping_criteria, config, scores), stats, scores,
               [] if call.want_logits else None, context=context)
     if call.streamer is not None:
         call.streamer.put(input_ids.cpu())
     return run
-
-
-def _store_of(options: DartOptions) -> Optional[OutputStore]:
-    """The call's store of earlier outputs (None: none)."""
-    return options.store if isinstance(options.store, OutputStore) else None
 
 
 @dataclasses.dataclass
