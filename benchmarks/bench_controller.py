@@ -26,8 +26,6 @@ Cells (`--cells`, comma-separated groups):
 
 from __future__ import annotations
 
-import contextlib
-import multiprocessing
 import os
 import statistics
 import sys
@@ -40,6 +38,7 @@ import torch
 import dart_hf
 from dart_bench import DATA_DIR, chat_batch, environment, prompt_set, prompts_from_file, script_parser, timed, \
     write_results
+from dart_bench.load import busy_cores
 from dart_bench.replay import random_head
 from dart_core import AcceptanceCurve, DartHead
 
@@ -119,25 +118,6 @@ def run_cell(name: str, batches: list[dict], rounds: int, max_new_tokens: int, t
           f"{identical}/{runs} identical, steps by tree size {row['tree_sizes']}, {plain_calls} of {runs} calls "
           f"plain", flush=True)
     return row
-
-
-def _spin() -> None:
-    while True:
-        pass
-
-
-@contextlib.contextmanager
-def busy_cores(count: int):
-    """`count` processes spinning on the CPU for the duration of the block."""
-    procs = [multiprocessing.Process(target=_spin, daemon=True) for _ in range(count)]
-    for p in procs:
-        p.start()
-    try:
-        yield
-    finally:
-        for p in procs:
-            p.terminate()
-            p.join()
 
 
 def head_that_cannot_pay(model, curve: bool) -> DartHead:

@@ -34,7 +34,7 @@ import dart_hf
 from dart_bench import PROMPT_LOOKUP_TOKENS, chat_ids, environment, prompt_set, script_parser, timed, write_results
 from dart_bench.copy_prompts import COPY_KINDS, copy_prompts
 from dart_core import ModelFreeDrafter, NGramModel, OutputStore
-from dart_runtime.matmul import ROW_BUCKETS, install_few_row_forwards, transposed_is_faster
+from dart_runtime.matmul import ROW_BUCKETS, settle_kernel_choices
 
 PACKAGE_SETS = ("mt_bench", "gsm8k", "humaneval")
 REPEATED = ("resample", "edit_loop")
@@ -73,12 +73,11 @@ def methods(head, ngram) -> dict:
 
 
 def warm_few_row_kernels(model) -> None:
-    """Measure the few-row product's kernel choice for every row bucket now (`dart_runtime.matmul`): a process's
-    first tree of each size pays for it once, which this run keeps out of the timed calls."""
-    install_few_row_forwards(model)
-    weight = next(m.weight for m in model.modules() if isinstance(m, torch.nn.Linear))
+    """Decide the few-row product's kernel choice for every row bucket now (`dart_runtime.matmul`): a process's
+    first trees of each size try both kernels, which this run keeps out of the timed calls."""
+    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
     for rows in ROW_BUCKETS:
-        transposed_is_faster(weight, rows)
+        settle_kernel_choices(weights, rows)
 
 
 def call(model, method, ids, max_new_tokens: int, sample: bool, seed: int):

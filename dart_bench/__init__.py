@@ -3,7 +3,7 @@
 - `prompts`: the shipped prompt sets (`dart_bench/data/`), prompt files, GSM8K few-shot text, chat encoding;
 - `timing`: the one clock (`timed`, `Clock`, medians, `interleave`d A/B runs, `TargetMeter`, `Progress`);
 - `results`: atomic JSON / text / PNG writing, the machine and commit a result came from;
-- `memory`: peak resident memory, measured in fresh child processes;
+- `memory`: peak resident memory, measured in fresh child processes; `load`: busy cores beside a timed block;
 - `methods`: the decoding methods compared by `dart-spec bench` (`run_bench`, `summarize`, `first_difference`);
 - `trees`: the tree settings a benchmark decodes with; `report`: `dart-spec bench`'s table and charts;
 - `script`: the command line every benchmark script starts from (`script_parser`);

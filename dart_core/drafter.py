@@ -23,8 +23,9 @@ class Drafter(nn.Module):
 
     - `reads_hidden_states`: whether `draft` reads the target's hidden states (a head); without them the loop asks
       the target for none and passes empty rows ([B, T, 0]).
-    - `measures_first_call`: whether the speed controller starts from a measured machine cost (a head's forward and
-      the verify curve, `dart_hf.calibration.machine_cost`); otherwise it learns from the steps alone.
+    - `fills_tree`: whether every tree it builds holds its budget's `remain_total` nodes (a head's beam search: a
+      larger budget is a larger verify forward), so that the speed controller starts it with small trees; a drafter
+      whose trees hold only what it proposes starts at its budget.
     - `draft_length`: the levels beyond the first a `draft` pass predicts (0: none).
     - `ngram`, `tree_config`, `acceptance`: the n-gram table, tree settings and acceptance curve it travels with.
     - `max_batch_size`: how many sequences one `draft` call takes (None: any).
@@ -32,7 +33,7 @@ class Drafter(nn.Module):
 
     DRAFTS_WITH_CONTEXT = True  # `build_tree` takes the rows' proposed paths (docs/DESIGN.md §2.6)
     reads_hidden_states = True
-    measures_first_call = True
+    fills_tree = True
     max_batch_size: Optional[int] = None
 
     def __init__(self) -> None:

@@ -36,7 +36,7 @@ class ModelFreeDrafter(Drafter):
     search settings (default `DEFAULT_TREE`; `context_draft` must stay on)."""
 
     reads_hidden_states = False
-    measures_first_call = False
+    fills_tree = False
 
     def __init__(self, ngram=None, tree_config: Optional[TreeConfig] = None) -> None:
         super().__init__()

@@ -520,7 +520,7 @@ def write_cache_file(path: Path, data: dict) -> bool:
 
 
 # ---- the few-row kernel choices, kept across processes -------------------------------------------------------------
-KERNELS_VERSION = 1
+KERNELS_VERSION = 2  # 2: keyed by weight shape (1: by a module's group of shapes)
 _KERNELS = {"loaded": False, "saved": 0}  # whether this process adopted the cached choices; how many it last saved
 _KERNELS_LOCK = threading.Lock()
 
@@ -532,9 +532,9 @@ def kernel_choices_path() -> Path:
 
 
 def load_kernel_choices() -> None:
-    """Once per process: adopt the few-row kernel choices an earlier process on this machine measured
-    (`dart_runtime.matmul.adopt_kernel_choices`), so that its first trees of each size are not measured again. A file
-    that is not such choices is ignored with one `DartCacheWarning` (and replaced at the next save)."""
+    """Once per process: adopt the few-row kernel choices an earlier process on this machine made
+    (`dart_runtime.matmul.adopt_kernel_choices`), so that its first trees of each size do not try both kernels again.
+    A file that is not such choices is ignored with one `DartCacheWarning` (and replaced at the next save)."""
     with _KERNELS_LOCK:
         if _KERNELS["loaded"]:
             return
@@ -547,13 +547,13 @@ def load_kernel_choices() -> None:
                     raise ValueError("not a kernel choice file of this version")
                 adopt_kernel_choices(raw.get("choices"))
         except ValueError as err:
-            warnings.warn(f"ignoring the kernel choices {path}: {err}; they are measured again", DartCacheWarning,
+            warnings.warn(f"ignoring the kernel choices {path}: {err}; they are learned again", DartCacheWarning,
                           stacklevel=3)
         _KERNELS["saved"] = len(kernel_choices())
 
 
 def save_kernel_choices() -> None:
-    """Keep this process's few-row kernel choices for later processes, when it measured new ones."""
+    """Keep this process's few-row kernel choices for later processes, when it made new ones."""
     choices = kernel_choices()
     with _KERNELS_LOCK:
         if len(choices) <= _KERNELS["saved"]:
@@ -571,8 +571,8 @@ def cached_machine_cost(model, head: DartHead) -> Optional[MachineCost]:
         raw = read_cache_file(path)
         result = None if raw is NO_FILE else MachineCost.from_dict(raw)
     except (ValueError, DartInputError) as err:  # json's errors are ValueErrors
-        warnings.warn(f"ignoring the machine-cost cache {path}: {err}; it is measured again", DartCacheWarning,
-                      stacklevel=2)
+        warnings.warn(f"ignoring the machine-cost cache {path}: {err}; calls learn step costs from their own steps "
+                      "(`dart-spec calibrate` measures it again)", DartCacheWarning, stacklevel=2)
         return None
     return result if result is not None and result.identity == ident else None
 

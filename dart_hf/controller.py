@@ -1,5 +1,7 @@
 """Which tree each DART step verifies, decided from what DART measures while it runs, so that DART is never slower
-than plain decoding (`SpeedController`; the loop asks a `CallPolicy` before every step).
+than plain decoding (`SpeedController`; the loop asks a `CallPolicy` before every step). No call runs a timing run of
+its own: every estimate comes from the calls' own steps, from timed plain calls, and from a machine cost only where
+one was measured on request (`calibrate`, `dart-spec calibrate`).
 
 What is estimated, per target, head and machine setting (device, dtype, threads):
 
@@ -8,34 +10,37 @@ What is estimated, per target, head and machine setting (device, dtype, threads)
   (kept apart for greedy and sampled calls). A step verified with a tree of R nodes also tells what a tree of any
   r <= R would have accepted from the same state (the leading accepted nodes of selection rank < r,
   `dart_hf.calibration`), so every step updates tau(r) for all r <= R. Prior: the head's shipped acceptance curve,
-  counted as `PRIOR_TAU_WEIGHT` steps; a head without one learns it from its own calls, starting with its largest
-  tree.
+  counted as `PRIOR_TAU_WEIGHT` steps; a head without one learns it from its own calls.
 - Per regime, a (batch size, context length) bucket (`regime_key`): the seconds of one plain step (`Regime.plain`,
-  from the calls' own plain steps and from plain `generate()` calls, timed per step), of one DART step at each tree
-  size (`Regime.steps`), and `Regime.scale`, observed over predicted DART step time. A tree size never timed in a
-  regime is predicted as scale x (head + search + rest of a step + t_verify(B x (R + 1))) from the first-call
-  `MachineCost` (`dart_hf.calibration`): a batch of B verifies B x (R + 1) rows. Where the timed sizes show that
-  prediction's shape is wrong (a first measurement taken under load is bent, not only scaled), untimed sizes follow
-  the line through the timed ones' (rows verified, seconds) instead (`fit_line`); an optimistic prediction is
-  corrected by the step that tries it.
+  from the calls' own plain steps and from plain `generate()` calls, timed per step) and of one DART step at each
+  tree size (`Regime.steps`). A tree size never timed in a regime is predicted from the line through the timed sizes'
+  (rows verified, seconds), a batch of B verifying B x (R + 1) rows (`fit_line`; until two timed sizes span enough
+  rows, through the plain step too). Where a calibrated `MachineCost` exists, an untimed size is predicted as
+  `Regime.scale` (observed over predicted) x (head + search + rest of a step + t_verify(B x (R + 1))), unless the
+  timed sizes show that prediction's shape is wrong (a measurement taken under load is bent, not only scaled): then
+  the line again.
 
 Every estimate is a running mean whose older observations fade (`Mean`), so a machine whose load or speed changes is
 followed within a few steps.
 
 The choice (`choose_tree_size`): R* = argmax over tree sizes with known tau of tau(R) / t_step(R) (ties: the smaller
-R); expected speedup over plain = tau(R*) x t_plain / t_step(R*). Each step takes R*, except that every
-`EXPLORE_EVERY`-th step of a regime tries a neighbouring size (up and down in turn: a larger tree also measures tau
-above R*), and, for an attached head, a regime's first step and every `PLAIN_EVERY`-th one is a plain step, which
-measures plain decoding there.
+R); expected speedup over plain = tau(R*) x t_plain / t_step(R*). Small trees first: a regime's first DART steps take
+`first_size` (for a head, at most `FIRST_ROWS` rows a sequence), and a size not yet timed there is taken only up to
+`LADDER` times the rows of the largest timed one (`SpeedController.reach`), so a call climbs to a large tree through
+timed smaller ones and never pays for a large one an estimate merely extrapolated. Each step takes R*, except that
+every `EXPLORE_EVERY`-th step of a regime tries a neighbouring size (up and down in turn: a larger tree also measures
+tau above R*), and, for an attached head, a regime's first steps (until plain's cost rests on `MIN_PLAIN_WEIGHT`)
+and every `PLAIN_EVERY`-th one are plain steps, which measure plain decoding there.
 
 Falling back, for an attached head (`dart_hf.enable(model, head)`): once a call has made `WINDOW` DART steps in a
-regime, whenever the expected speedup there is below 1 the call finishes that regime plain (the roots alone, one
-token per sequence and step, exactly as plain decoding decides it), and later calls that start in the regime run as
-plain `generate()`, with one `DartFallbackWarning` per regime and the numbers. After `FIRST_PROBE_AFTER` plain calls
-(doubling after every probe that loses, up to `MAX_PROBE_AFTER`) a call in the regime runs DART again (a probe):
-a first measurement made on a loaded machine switches DART off only until then. A call with `dart_head=` decodes with
-DART whatever the estimates say (the tree sizes still adapt); a call with a fixed tree (`dart_tree_config=` or
-`enable(..., tree_config=...)`) decodes with that tree and teaches the estimates.
+regime, whenever the expected speedup there is below 1 and so is the rate of the call's last `WINDOW` steps, the call
+finishes that regime plain (the roots alone, one token per sequence and step, exactly as plain decoding decides it),
+and later calls that start in the regime run as plain `generate()`, with one `DartFallbackWarning` per regime and the
+numbers. After `FIRST_PROBE_AFTER` plain calls (doubling after every probe that loses, up to `MAX_PROBE_AFTER`) a call
+in the regime runs DART again (a probe): steps timed on a loaded machine switch DART off only until then. The verdict
+follows the latest evidence of any call: a call with `dart_head=` (which decodes with DART whatever the estimates say;
+its tree sizes still adapt) or with a fixed tree (`dart_tree_config=`, `enable(..., tree_config=...)`) that shows DART
+pays in a plain regime sends later attached calls there back to DART, and one that shows it loses sends them plain.
 
 What is learned is kept beside the machine cost, under the same key (`<key>.learned.json` in
 `$DART_SPEC_CACHE/machine/`), merged entry by entry with what other processes wrote (the newer entry wins, under a file
@@ -45,7 +50,7 @@ size among this controller's, a regime key that is a bucket): an entry that is n
 `DartCacheWarning` per controller, the rest kept. A step time that is not finite and > 0 (a clock that stalls, is
 coarser than a step or steps back) is never learned (`step_seconds_ok`).
 
-    choice = dart_hf.tree_choice(model, head)        # the current choice at batch 1 (None: nothing known of tau yet)
+    choice = dart_hf.tree_choice(model, head)        # the best tree by the estimates at batch 1 (None: none yet)
     tree = dart_hf.calibrate(model, tokenizer, head) # measure the acceptance curve and the machine cost now
 """
 
@@ -70,9 +75,9 @@ from transformers import StoppingCriteria
 from dart_core import AcceptanceCurve, DartHead, TreeConfig
 from dart_core.config import MAX_TREE_NODES
 from dart_core.errors import DartInputError
-from dart_hf.calibration import (CANDIDATES, NO_FILE, DartCacheWarning, MachineCost, base_tree_config, cost_path,
-                                 identity, machine_cost, measure_acceptance, monotone, read_cache_file,
-                                 write_cache_file)
+from dart_hf.calibration import (CANDIDATES, NO_FILE, DartCacheWarning, MachineCost, base_tree_config,
+                                 cached_machine_cost, cost_path, identity, machine_cost, measure_acceptance, monotone,
+                                 read_cache_file, write_cache_file)
 from dart_hf.target import context_drafting
 from dart_runtime.timing import now
 
@@ -91,8 +96,10 @@ FIRST_PROBE_AFTER, MAX_PROBE_AFTER = 2, 64  # plain calls in a plain regime befo
 OUTLIER = 2.0  # a step time above twice its estimate counts as twice (`Mean.add_robust`)
 SAVE_EVERY_S = 10.0  # the learned state reaches the disk at most this often (and at exit)
 LEARNED_VERSION = 1
-SHAPE_TOLERANCE = 1.3  # timed / predicted step ratios within 30% of each other: the first measurement's shape holds
+SHAPE_TOLERANCE = 1.3  # timed / predicted step ratios within 30% of each other: a calibrated cost's shape holds
 MIN_FIT_SPAN = 1.5  # a line through timed steps needs verified row counts that differ by half
+FIRST_ROWS = 4  # small trees first: a drafter that fills its trees starts a regime at <= 4 rows a sequence (3 nodes)
+LADDER = 2.0  # a size not timed in a regime is tried only up to twice the rows a sequence of the largest one timed
 CONTEXT_BUCKET_MIN = 256  # contexts up to 256 positions share a regime; above, one regime per power of two
 # what a learned-state file may hold (anything else is ignored): no step of a decoding loop takes a day, no ratio of
 # observed to predicted step time is beyond a million either way, no regime buckets more than 2**40 rows or positions,
@@ -312,7 +319,7 @@ def choose_tree_size(tau: dict[int, float], step_s: dict[int, float], plain_s: O
 class TreeChoice:
     """The tree size the controller would choose now for one regime: `remain_total`, its `tree_config`, the
     `expected_speedup` over plain decoding (None while plain's cost there is unknown), one row per tree size
-    (`choose_tree_size`), the regime (batch bucket, context bucket) and the first-call cost it started from."""
+    (`choose_tree_size`), the regime (batch bucket, context bucket) and the calibrated cost, if any."""
 
     remain_total: int
     tree_config: TreeConfig
@@ -337,7 +344,8 @@ class TreeChoice:
                 f"{self.regime[1]})")
 
     def format_table(self) -> str:
-        """A plain-text table: the first-call latency curve, then tau, step time and expected speedup per size."""
+        """A plain-text table: the calibrated latency curve (if any), then tau, step time and expected speedup per
+        size."""
         lines = []
         cost = self.cost
         if cost is not None:
@@ -359,9 +367,9 @@ class TreeChoice:
 class SpeedController:
     """The estimates for one target, head and machine setting, and the choices made from them (thread-safe).
 
-    `sizes`: the tree sizes it chooses among; `cost`: the first-call `MachineCost` (None where it could not be
-    measured: sizes are then predicted only where timed); `curve`: the head's shipped acceptance curve (or None);
-    `start_size`: the first tree of a head without a curve; `path`: where the learned state is kept (None: memory)."""
+    `sizes`: the tree sizes it chooses among; `cost`: a calibrated `MachineCost` (None: untimed sizes are predicted
+    from the timed ones); `curve`: the head's shipped acceptance curve (or None);
+    `start_size`: a regime's first tree (`first_size`); `path`: where the learned state is kept (None: memory)."""
 
     def __init__(self, sizes: Iterable[int], cost: Optional[MachineCost], curve: Optional[AcceptanceCurve],
                  start_size: int, path: Optional[Path] = None, ident: Optional[dict] = None) -> None:
@@ -395,26 +403,26 @@ class SpeedController:
     # -- estimates --
 
     def regime(self, batch_size: int, context_length: int) -> Regime:
-        """The regime of a step (where the first-call measurement says no tree pays, it starts plain)."""
+        """The regime of a step (where a calibrated cost says no tree pays, it starts plain)."""
         key = regime_key(batch_size, context_length)
         regime = self.regimes.get(key)
         if regime is None:
             regime = self.regimes[key] = Regime()
-            expected = self.expected(key, False)
+            expected = self.expected(key, False, anywhere=True)
             if expected is not None and expected < 1.0:
                 regime.mode = "plain"
         return regime
 
     def plain_s(self, key: tuple[int, int]) -> Optional[float]:
-        """Seconds of one plain step in regime `key`: timed there, else the first-call measurement where that is
-        the regime it measured (until a real plain step is timed there), else None."""
+        """Seconds of one plain step in regime `key`: timed there, else a calibrated cost's where that is the regime
+        it measured (until a real plain step is timed there), else None."""
         timed = self.regimes[key].plain.value
         if timed is not None or self.cost is None or key != regime_key(1, self.cost.context_length):
             return timed
         return self.cost.plain_ms / 1e3
 
     def prior_step_s(self, key: tuple[int, int], size: int) -> Optional[float]:
-        """The first-call prediction of one DART step at `size` in regime `key` (None without a measured cost)."""
+        """A calibrated cost's prediction of one DART step at `size` in regime `key` (None without one)."""
         if self.cost is None:
             return None
         return (self.cost.fixed_ms + self.cost.verify_at(key[0] * (size + 1))) / 1e3
@@ -422,17 +430,19 @@ class SpeedController:
     def step_s(self, key: tuple[int, int], size: int) -> Optional[float]:
         """Seconds of one DART step at `size` in regime `key`: timed there; else the prior times the regime's scale,
         unless the timed sizes show the prior's shape is wrong there (their timed / prior ratios differ by more than
-        `SHAPE_TOLERANCE`: a first measurement taken under load is bent, not only scaled) and span enough verified
+        `SHAPE_TOLERANCE`: a measurement taken under load is bent, not only scaled) and span enough verified
         rows: then the line through (rows verified, seconds) of the timed sizes (`fit_line`)."""
         regime = self.regimes[key]
         timed = regime.steps.get(size)
         if timed is not None and timed.weight > 0:
             return timed.value
         prior = self.prior_step_s(key, size)
-        if prior is None:  # no first-call measurement: the line through the plain step and the timed sizes
+        if prior is None:  # no measured cost: the line through the timed sizes (and the plain step, until two span)
             plain = regime.plain.value
             points = [(key[0] * (r + 1), m.value, m.weight) for r, m in regime.steps.items() if m.weight > 0]
-            line = fit_line(points + ([(key[0], plain, regime.plain.weight)] if plain is not None else []))
+            line = fit_line(points)
+            if line is None and plain is not None:
+                line = fit_line(points + [(key[0], plain, regime.plain.weight)])
             return None if line is None else max(line[0] + line[1] * key[0] * (size + 1), 1e-9)
         timed_sizes = {r: m for r, m in regime.steps.items() if m.weight > 0}
         ratios = [m.value / self.prior_step_s(key, r) for r, m in timed_sizes.items()]
@@ -447,24 +457,35 @@ class SpeedController:
         larger tree holds every smaller one: a dip is noise)."""
         return monotone({r: m.value for r, m in self.tau[sampled].items() if m.weight >= MIN_TAU_WEIGHT})
 
-    def best(self, key: tuple[int, int], sampled: bool) -> Optional[tuple[int, list[dict]]]:
-        """(R*, rows) in regime `key` (`choose_tree_size`), or None while no size has both estimates."""
-        tau = self.tau_of(sampled)
-        steps = {r: s for r in tau if (s := self.step_s(key, r)) is not None and (finite(s) or 0.0) > 0.0}
+    def reach(self, key: tuple[int, int]) -> int:
+        """The largest tree size regime `key` may try untimed: the start size until a DART step is timed there, then
+        up to `LADDER` times the rows of the largest size timed (small trees first)."""
+        timed = [r for r, m in self.regimes[key].steps.items() if m.weight > 0]
+        if not timed:
+            return self.start_size
+        return max(r for r in self.sizes if r + 1 <= LADDER * (max(timed) + 1))
+
+    def best(self, key: tuple[int, int], sampled: bool, anywhere: bool = False) -> Optional[tuple[int, list[dict]]]:
+        """(R*, rows) in regime `key` (`choose_tree_size`) over the sizes timed there or within `reach` (`anywhere`:
+        over every size), or None while no such size has both estimates."""
+        tau, timed = self.tau_of(sampled), self.regimes[key].steps
+        reach = self.max_size if anywhere else self.reach(key)
+        steps = {r: s for r in tau if (r <= reach or (r in timed and timed[r].weight > 0))
+                 and (s := self.step_s(key, r)) is not None and (finite(s) or 0.0) > 0.0}
         if not steps:
             return None
         return choose_tree_size(tau, steps, self.plain_s(key))
 
-    def expected(self, key: tuple[int, int], sampled: bool) -> Optional[float]:
-        """The expected speedup of the best tree over plain in regime `key` (None while either is unknown)."""
-        best = self.best(key, sampled)
+    def expected(self, key: tuple[int, int], sampled: bool, anywhere: bool = False) -> Optional[float]:
+        """The expected speedup of the best tree over plain in regime `key` (`best`; None while either is unknown)."""
+        best = self.best(key, sampled, anywhere)
         if best is None:
             return None
         return next(row for row in best[1] if row["remain_total"] == best[0])["speedup"]
 
     def cold(self, key: tuple[int, int], size: int) -> bool:
         """Whether this is the first step of `size` (0: plain) timed in regime `key` in this process: its time
-        holds one-off costs (new shapes, the few-row kernel's first measurement) and is not taken."""
+        holds one-off costs (new shapes, the few-row kernels' trial) and is not taken."""
         if (key, size) in self.warm:
             return False
         self.warm.add((key, size))
@@ -536,23 +557,23 @@ class SpeedController:
                 f"{plain * 1e3:.1f} ms per plain token ({row['speedup']:.2f}x); calls here run plain, "
                 f"and DART is tried again after {later} of them")
 
-    def go_plain(self, key: tuple[int, int], sampled: bool, probing: bool) -> Optional[str]:
-        """Regime `key` runs plain from now on (a probe that lost waits twice as long before the next); the warning
-        to give, once per regime."""
+    def set_plain(self, key: tuple[int, int], probing: bool) -> None:
+        """Attached calls that start in regime `key` run plain from now on, until a probe (a probe that lost, and so
+        `probing`, waits twice as long before the next)."""
         regime = self.regimes[key]
         regime.probe_after = min(2 * regime.probe_after, MAX_PROBE_AFTER) if probing and regime.mode == "plain" \
             else FIRST_PROBE_AFTER
         regime.mode, regime.plain_calls = "plain", 0
         regime.updated, self.dirty = time.time(), True
-        return self.fallback_message(key, sampled)
 
     def choice(self, base: TreeConfig, batch_size: int = 1, context_length: int = 1,
                sampled: bool = False) -> Optional[TreeChoice]:
-        """What the controller would choose now in that regime (None while nothing is known of tau)."""
+        """The best tree by the estimates now in that regime, wherever it lies (a call reaches it through smaller
+        trees first, `reach`); None while no size has both estimates."""
         with self.lock:
             key = regime_key(batch_size, context_length)
             self.regime(batch_size, context_length)
-            best = self.best(key, sampled)
+            best = self.best(key, sampled, anywhere=True)
             if best is None:
                 return None
             size, rows = best
@@ -707,9 +728,10 @@ def _file_lock(path: Path):
 class CallPolicy:
     """The `dart_hf.loop.StepPolicy` of one generate() call: asks the controller for each step's tree and teaches it
     what the step cost. `controller`: a function that gives the controller, called when the call starts decoding
-    (after its checks: the first call's measurement is never made for a call DART does not decode);
+    (after its checks: a call DART does not decode makes none);
     `may_go_plain`: an attached head's call, which may take plain steps and finish plain; `probe`: the call tries
-    DART in regimes that run plain; `fixed`: every step takes that tree (it only teaches). `warnings`: the
+    DART in regimes that run plain; `fixed`: every step takes that tree. Every call teaches the estimates and the
+    regimes' verdicts. `warnings`: the
     `DartFallbackWarning` messages the call produced (the caller gives them)."""
 
     def __init__(self, controller: Callable[[], SpeedController], *, may_go_plain: bool, probe: bool = False,
@@ -751,17 +773,20 @@ class CallPolicy:
                         self.warnings.append(message)
                     return 0
                 if regime.plain.weight < MIN_PLAIN_WEIGHT or regime.count % PLAIN_EVERY == PLAIN_EVERY - 1:
-                    return 0  # measure plain decoding here (nothing rests on the first-call prior alone)
+                    return 0  # measure plain decoding here (nothing rests on a prior alone)
             best = ctrl.best(key, self.sampled)
-            if best is None:  # nothing known of tau yet: the largest tree measures it for every size
-                return ctrl.max_size if ctrl.tau_of(self.sampled) == {} else ctrl.start_size
+            if best is None:  # nothing timed here yet
+                return ctrl.start_size
             size = best[0]
             if regime.count % EXPLORE_EVERY == EXPLORE_EVERY - 1:
-                size = self._neighbour(size, up=(regime.count // EXPLORE_EVERY) % 2 == 0)
+                size = self._neighbour(key, size, up=(regime.count // EXPLORE_EVERY) % 2 == 0)
             return size
 
-    def _neighbour(self, size: int, up: bool) -> int:
-        sizes = self.controller.sizes
+    def _neighbour(self, key: tuple[int, int], size: int, up: bool) -> int:
+        """The size next to `size` (up or down) among those the regime may try (`SpeedController.reach`)."""
+        ctrl = self.controller
+        timed = ctrl.regimes[key].steps
+        sizes = [r for r in ctrl.sizes if r <= ctrl.reach(key) or (r in timed and timed[r].weight > 0)]
         i = sizes.index(size) if size in sizes else 0
         j = i + 1 if (up and i + 1 < len(sizes)) or i == 0 else i - 1
         return sizes[min(max(j, 0), len(sizes) - 1)]
@@ -777,8 +802,6 @@ class CallPolicy:
                 ctrl.observe_plain(key, seconds)
                 return
             ctrl.observe_step(key, tree_size, seconds, accepted_ranks, self.sampled)
-            if self.fixed is not None or not self.may_go_plain:
-                return
             self.dart_steps[key] = self.dart_steps.get(key, 0) + 1
             tokens = 1.0 + sum(map(len, accepted_ranks)) / max(len(accepted_ranks), 1)
             recent = self.recent.setdefault(key, [])
@@ -790,14 +813,21 @@ class CallPolicy:
             expected, plain = ctrl.expected(key, self.sampled), ctrl.plain_s(key)
             if expected is None or plain is None:
                 return
-            # slower than plain both by the estimates and over this call's last WINDOW steps here
+            # the verdict follows the latest evidence of any call: slower than plain both by the estimates and over
+            # this call's last WINDOW steps here, or not
             observed = sum(t for t, _ in recent) / sum(s for _, s in recent) * plain
             if expected < 1.0 and observed < 1.0:
+                if not self.may_go_plain:  # a call that must decode with DART: later attached calls run plain here
+                    if regime.mode == "dart":
+                        ctrl.set_plain(key, probing=False)
+                    return
                 self.plain_here.add(key)
-                message = ctrl.go_plain(key, self.sampled, probing=self.probe or regime.mode == "plain")
+                if regime.mode == "dart" or self.probe:
+                    ctrl.set_plain(key, probing=self.probe)
+                message = ctrl.fallback_message(key, self.sampled)
                 if message is not None:
                     self.warnings.append(message)
-            elif regime.mode == "plain":  # a probe that pays: DART runs here again
+            elif regime.mode == "plain":  # DART pays here again (a probe, or a call that decodes with DART anyway)
                 regime.mode, regime.probe_after, regime.plain_calls = "dart", FIRST_PROBE_AFTER, 0
                 regime.updated, ctrl.dirty = time.time(), True
 
@@ -861,30 +891,35 @@ def existing_controller(model, head: DartHead, context: Optional[bool] = None,
 def controller_for(model, head: DartHead, context: Optional[bool] = None, store: bool = False) -> SpeedController:
     """The controller of `head` on `model` with this machine setting, for calls with context drafting on or off and
     with or without a store of earlier outputs (`context`, `store`: the trees, and so what they accept, differ; None:
-    as the head's tree settings say): made at the first call, from the head's acceptance curve,
-    the machine cost (measured and cached, `dart_hf.calibration.machine_cost`) and what earlier calls learned. A cost
-    that cannot be measured leaves the controller without a prior (one warning)."""
+    as the head's tree settings say): made at the first call, from the head's acceptance curve, a machine cost that
+    `calibrate` measured here (cached; a call never measures one) and what earlier calls learned."""
     key = _key(model, head, context, store)
     with _CONTROLLERS_LOCK:
         found = _CONTROLLERS.get(head, {}).get(key)
         if found is not None:
             return found
-        try:
-            cost = machine_cost(model, head) if head.measures_first_call else None
-        except Exception as err:  # noqa: BLE001 -- the prior is optional: no failure of it may fail the call
-            warnings.warn(f"dart-spec could not measure what a verify step costs here ({type(err).__name__}: {err}); "
-                          "the tree sizes are learned from the calls alone", DartCacheWarning, stacklevel=3)
-            cost = None
+        cost = cached_machine_cost(model, head)
         base = base_tree_config(model, head)
         curve = head.acceptance
         largest = max(curve.tau) if curve is not None else base.remain_total
         sizes = [r for r in CANDIDATES if r <= largest] + ([largest] if largest not in CANDIDATES else [])
         ident = identity(model, head)
         path = learned_path(ident, key[-1])
-        controller = SpeedController(sizes, cost, curve, start_size=base.remain_total, path=path, ident=ident)
+        controller = SpeedController(sizes, cost, curve, start_size=first_size(head, base, sizes), path=path,
+                                     ident=ident)
         _CONTROLLERS.setdefault(head, {})[key] = controller
         _LIVE.add(controller)
         return controller
+
+
+def first_size(head: DartHead, base: TreeConfig, sizes: list[int]) -> int:
+    """The tree a regime's first DART steps verify: for a drafter that fills its trees (`Drafter.fills_tree`: a larger
+    tree is a larger forward) the largest of `sizes` within `FIRST_ROWS` rows a sequence, and larger ones only as
+    timed steps reach them (`SpeedController.reach`); for one whose trees hold only what it proposes, its budget
+    (`base.remain_total`)."""
+    if not head.fills_tree:
+        return base.remain_total
+    return min(base.remain_total, max([r for r in sizes if r + 1 <= FIRST_ROWS] or [sizes[0]]))
 
 
 @atexit.register

@@ -89,7 +89,7 @@ class DartGenerationMixin:
                 result = self._timed_plain_generate(controller, reason, inputs, generation_config, kwargs)
                 remember_outputs(options.output_store, inputs, kwargs, result, self._call_eos(generation_config, kwargs))
                 return result
-            # the controller is made (its first-call measurement) once the call's checks have passed
+            # the controller is made (reading what earlier processes learned) once the call's checks have passed
             policy = CallPolicy(functools.partial(controller_for, self, options.head, context, stored),
                                 may_go_plain=not explicit,
                                 probe=mode == "probe")

@@ -4,21 +4,24 @@ A tree verify step runs every linear layer of the target on a handful of rows (t
 head on its new rows and mask rows. For such inputs `F.linear` (x [M, K] @ W.T, a GEMM with a transposed B) can be
 slow on the CPU, and computing the same product as `W @ x.T` (W the left operand, then transposed back) can be much
 faster: on 2-core AMD EPYC machines a SmolLM2 forward over 2-4 tokens took less than a one-token forward with it; on a
-2-core Intel Xeon `F.linear` was the faster one (BENCHMARKS.md, "Verify kernels"). So the choice is measured, per
-machine, thread count, dtype and row bucket. Both are products of the same numbers, summed in another order: results
-agree to rounding, as any two BLAS kernels do; DART's losslessness does not rest on bitwise equality with plain
+2-core Intel Xeon `F.linear` was the faster one (BENCHMARKS.md, "Verify kernels"). So the choice is made per machine,
+weight shape, thread count, dtype and row bucket. Both are products of the same numbers, summed in another order:
+results agree to rounding, as any two BLAS kernels do; DART's losslessness does not rest on bitwise equality with plain
 decoding's kernels (a one-token step already uses another kernel, a matrix-vector product, than a tree forward).
 
-The measurement streams the weights as the forward does: the layers a module registers (`install_few_row_forwards`)
-form one group, and each product is timed over all of the group's weights in turn, interleaved, a few times. Timing
-one small weight again and again would keep it in the cache and favour another kernel than a forward over hundreds
-of megabytes of weights does.
+The choice is learned from the forwards themselves, never from a timing run of its own: while a (weight shape, row
+bucket, threads, dtype) is undecided, its products take the two kernels in turn, each product timed as the forward
+runs it (so the weights stream through the caches as they do in a real forward), and after `TRIAL_SAMPLES` of each
+the one with the lower median is kept (`W @ x.T` only at `MARGIN` or less of `F.linear`'s time). A SmolLM2 forward
+decides its layers' shapes at once (30 layers give each shape 30-60 products); a shape met once a forward (the
+output projection) decides over its first `2 x TRIAL_SAMPLES` forwards. What is decided is kept (`kernel_choices`;
+`dart_hf.calibration` keeps it across processes on one machine).
 
 `few_row_linears(*modules)` makes that product apply, within a `with` block and only in the calling thread's context,
-to every `nn.Linear` of the modules whose weight is a CPU tensor, for the row counts at which it measures faster on
-this machine (`transposed_is_faster`). Inputs with one row, or with more than `MAX_ROWS`, take `F.linear` as before,
-so a plain one-token step or a prefill is unchanged. Packed-weight products (MKL's, oneDNN's) were measured too
-(`benchmarks/bench_few_row_matmul.py`); each needs a copy of every weight, doubling the target's memory.
+to every `nn.Linear` of the modules whose weight is a CPU tensor, for 2..`MAX_ROWS` rows. Inputs with one row, or
+with more, take `F.linear` as before, so a plain one-token step or a prefill is unchanged. Packed-weight products
+(MKL's, oneDNN's) were measured too (`benchmarks/bench_few_row_matmul.py`); each needs a copy of every weight,
+doubling the target's memory.
 
 The model is never switched back and forth: the first use installs on each `nn.Linear` whose `forward` is the class's
 own (modules wrapped by hooks that replace `forward`, e.g. accelerate's offloading, are left alone) a `FewRowForward`,
@@ -31,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
 import statistics
 import threading
 import weakref
@@ -41,19 +43,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dart_runtime.timing import interleaved_seconds
+from dart_runtime.timing import interleaved_seconds, now
 
 # `W @ x.T` is tried for 2..MAX_ROWS rows (one row is a matrix-vector product either way). Which of the two products is
-# faster depends on the CPU, its BLAS, the dtype and the rows, so it is measured, once per group of weights, row
-# bucket, thread count and dtype. The range covers what a verify step feeds a linear layer (a batch of B trees of
-# R + 1 nodes: B x (R + 1) rows); past it a step is rare enough that `F.linear` is kept unmeasured.
+# faster depends on the CPU, its BLAS, the dtype and the rows, so it is learned per weight shape, row bucket, thread
+# count and dtype. The range covers what a verify step feeds a linear layer (a batch of B trees of R + 1 nodes:
+# B x (R + 1) rows); past it a step is rare enough that `F.linear` is kept.
 MAX_ROWS = 64
-ROW_BUCKETS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # a row count is decided by the measurement at the first bound >= it
+ROW_BUCKETS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # a row count is decided with the first bound >= it
 # Hysteresis, not a machine fact: the other product (or dtype) is taken only when it takes at most this fraction of
-# the default's time, so that two kernels within timing noise (a few percent between interleaved passes) keep the
-# default.
+# the default's time, so that two kernels within timing noise keep the default.
 MARGIN = 0.9
-REPEATS = 5  # timed passes of each product (after one warm-up pass), interleaved
+REPEATS = 5  # timed passes of each dtype's products (after one warm-up pass), interleaved (`fastest_dtype`)
+TRIAL_SAMPLES = 7  # products of each kernel timed (an odd count: a median is one of them) before a choice is made
 
 
 def transposed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -65,22 +67,25 @@ def transposed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
-class LinearGroup:
-    """The `nn.Linear` layers one module registered (a target, a head); `shapes`: their weights' shapes, which with
-    the row bucket, threads and dtype key the kernel choice (`kernel_choices`)."""
+PRODUCTS = (F.linear, transposed_linear)  # the two kernels a choice is between (False, True)
 
-    def __init__(self, layers: list[nn.Linear]) -> None:
-        self._layers = [weakref.ref(layer) for layer in layers]
-        self.shapes = "x".join(f"{n}:{k}" for n, k in (layer.weight.shape for layer in layers))
-
-    def weights(self) -> list[torch.Tensor]:
-        return [layer.weight for layer in (ref() for ref in self._layers) if layer is not None]
-
-
-# "<group shapes or weight shape>|<bucket>|<threads>|<dtype>" -> whether `W @ x.T` is the faster product there: what
-# this process measured or adopted (`adopt_kernel_choices`: a cache keeps them across processes on one machine)
+# "<N>:<K>|<row bucket>|<threads>|<dtype>" -> whether `W @ x.T` is the faster product there: what this process
+# learned or adopted (`adopt_kernel_choices`: a cache keeps them across processes on one machine)
 _CHOICES: dict[str, bool] = {}
+_TRIALS: dict[str, tuple[list[float], list[float]]] = {}  # undecided key -> seconds of each kernel's products so far
 _CHOICES_LOCK = threading.Lock()
+
+
+def choice_key(weight: torch.Tensor, rows: int) -> str:
+    """The key of the kernel choice for `rows` (2..MAX_ROWS) rows through `weight` [N, K] here (`_CHOICES`)."""
+    bucket = next(b for b in ROW_BUCKETS if b >= rows)
+    n, k = weight.shape
+    return f"{n}:{k}|{bucket}|{torch.get_num_threads()}|{str(weight.dtype).replace('torch.', '')}"
+
+
+def kernel_choice(weight: torch.Tensor, rows: int) -> Optional[bool]:
+    """Whether `W @ x.T` is the faster product for `rows` rows through `weight` here; None while undecided."""
+    return _CHOICES.get(choice_key(weight, rows))
 
 
 def kernel_choices() -> dict[str, bool]:
@@ -90,8 +95,8 @@ def kernel_choices() -> dict[str, bool]:
 
 
 def adopt_kernel_choices(choices: dict[str, bool]) -> None:
-    """Take `choices` (from `kernel_choices` of an earlier process on this machine) as measured; keys this process
-    measured itself keep their values. Entries that are not a string key and a bool are ValueError."""
+    """Take `choices` (from `kernel_choices` of an earlier process on this machine) as decided; keys this process
+    decided itself keep their values. Entries that are not a string key and a bool are ValueError."""
     if not isinstance(choices, dict) or any(not isinstance(k, str) or not isinstance(v, bool)
                                             for k, v in choices.items()):
         raise ValueError("kernel choices are an object of string keys and true/false values")
@@ -100,56 +105,33 @@ def adopt_kernel_choices(choices: dict[str, bool]) -> None:
             _CHOICES.setdefault(key, value)
 
 
-# id(weight) -> (a weak reference to the weight, its group); a tensor's `==` is elementwise, so no WeakKeyDictionary
-_GROUPS: dict[int, tuple[weakref.ref, LinearGroup]] = {}
+def trial_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
+    """The product through an undecided kernel choice: the kernel with fewer timed products so far, timed; once each
+    has `TRIAL_SAMPLES`, the choice is made (the lower median; `W @ x.T` only within `MARGIN`)."""
+    key = choice_key(weight, rows)
+    with _CHOICES_LOCK:
+        times = _TRIALS.setdefault(key, ([], []))
+        kernel = int(len(times[1]) < len(times[0]))
+    t0 = now()
+    out = PRODUCTS[kernel](x, weight, bias)
+    seconds = now() - t0
+    with _CHOICES_LOCK:
+        if key in _TRIALS and key not in _CHOICES:
+            times[kernel].append(seconds)
+            if min(map(len, times)) >= TRIAL_SAMPLES:
+                _CHOICES[key] = statistics.median(times[1]) <= MARGIN * statistics.median(times[0])
+                del _TRIALS[key]
+    return out
 
 
-def _register(weight: torch.Tensor, group: LinearGroup) -> None:
-    key = id(weight)
-
-    def forget(ref: weakref.ref) -> None:  # the weight is gone; a newer entry under the same id stays
-        if _GROUPS.get(key, (None,))[0] is ref:
-            del _GROUPS[key]
-
-    _GROUPS[key] = (weakref.ref(weight, forget), group)
-
-
-def group_of(weight: torch.Tensor) -> Optional[LinearGroup]:
-    """The group `weight` was registered in, or None."""
-    entry = _GROUPS.get(id(weight))
-    return entry[1] if entry is not None and entry[0]() is weight else None
-
-
-def _median_pass_seconds(products: list[Callable], weights: list[torch.Tensor], rows: int) -> list[float]:
-    """Median seconds of one pass of each product over all `weights` with `rows` random rows, the products
-    interleaved (so that a slow spell of the machine hits both alike), after a warm-up pass each."""
-    inputs = {k: torch.randn(rows, k, dtype=weights[0].dtype) for k in {int(w.shape[1]) for w in weights}}
-
-    def one_pass(product: Callable) -> None:
-        for w in weights:
-            product(inputs[int(w.shape[1])], w, None)
-
+def settle_kernel_choices(weights: list[torch.Tensor], rows: int) -> None:
+    """Decide now the kernel choices for `rows`-row products through `weights` (CPU tensors), by passes over all of
+    them in turn on random rows (as forwards would decide them: `trial_product`)."""
+    inputs = {int(w.shape[1]): torch.randn(rows, int(w.shape[1]), dtype=w.dtype) for w in weights}
     with torch.no_grad():
-        times = interleaved_seconds({i: functools.partial(one_pass, p) for i, p in enumerate(products)}, REPEATS)
-    return [statistics.median(times[i]) for i in range(len(products))]
-
-
-def transposed_is_faster(weight: torch.Tensor, rows: int) -> bool:
-    """Whether `W @ x.T` beats `F.linear` for `rows` (2..MAX_ROWS) rows through `weight` on this machine with the
-    current thread count and the weight's dtype: measured at the first call for the row bucket over all weights of
-    the weight's group (`LinearGroup`; a weight outside one alone), then remembered (`kernel_choices`)."""
-    bucket = next(b for b in ROW_BUCKETS if b >= rows)
-    group = group_of(weight)
-    shapes = group.shapes if group is not None else "{}:{}".format(*weight.shape)
-    key = f"{shapes}|{bucket}|{torch.get_num_threads()}|{str(weight.dtype).replace('torch.', '')}"
-    faster = _CHOICES.get(key)
-    if faster is None:
-        weights = group.weights() if group is not None else [weight]
-        plain, transposed = _median_pass_seconds([F.linear, transposed_linear], weights, bucket)
-        faster = transposed <= MARGIN * plain
-        with _CHOICES_LOCK:
-            faster = _CHOICES.setdefault(key, faster)
-    return faster
+        while any(kernel_choice(w, rows) is None for w in weights):
+            for w in weights:
+                few_row_linear(inputs[int(w.shape[1])].to(w.dtype), w, None)
 
 
 _DTYPES: dict[tuple, torch.dtype] = {}  # (weight shapes, rows, threads, dtypes) -> the fastest dtype
@@ -182,11 +164,15 @@ def fastest_dtype(weights: list[torch.Tensor], rows: int, dtypes: tuple[torch.dt
 
 
 def few_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`F.linear`, as `transposed_linear` for 2..MAX_ROWS rows where that is faster here (`transposed_is_faster`)."""
+    """`F.linear`, as `transposed_linear` for 2..MAX_ROWS rows where that is faster here (`kernel_choice`; while
+    undecided, `trial_product`)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if not 2 <= rows <= MAX_ROWS or not transposed_is_faster(weight, rows):
+    if not 2 <= rows <= MAX_ROWS:
         return F.linear(x, weight, bias)
-    return transposed_linear(x, weight, bias)
+    faster = kernel_choice(weight, rows)
+    if faster is None:
+        return trial_product(x, weight, bias, rows)
+    return transposed_linear(x, weight, bias) if faster else F.linear(x, weight, bias)
 
 
 # the product of the few-row linear layers in the current context; None: `F.linear`, the layers' own
@@ -213,8 +199,8 @@ class FewRowForward:
 
 
 def install_few_row_forwards(*modules: nn.Module) -> None:
-    """Give every `nn.Linear` of `modules` whose `forward` is the class's own a `FewRowForward`, and register each
-    module's layers as one `LinearGroup` (the walk once per module; idempotent, safe to race)."""
+    """Give every `nn.Linear` of `modules` whose `forward` is the class's own a `FewRowForward` (the walk once per
+    module; idempotent, safe to race)."""
     if all(module in _INSTALLED for module in modules):
         return
     with _INSTALL_LOCK:
@@ -226,16 +212,13 @@ def install_few_row_forwards(*modules: nn.Module) -> None:
             for m in layers:
                 if "forward" not in m.__dict__:
                     m.forward = FewRowForward(m)
-            group = LinearGroup(layers)
-            for m in layers:
-                _register(m.weight, group)
             _INSTALLED.add(module)
 
 
 @contextlib.contextmanager
 def few_row_linears(*modules: nn.Module, product: Callable = few_row_linear) -> Iterator[None]:
     """Within the block, in this context only, the `nn.Linear` layers of `modules` with CPU weights compute through
-    `product(x, weight, bias)` (default: few-row inputs as `W @ x.T` where that measures faster; benchmarks pass
+    `product(x, weight, bias)` (default: few-row inputs as `W @ x.T` where that is faster here; benchmarks pass
     other products)."""
     install_few_row_forwards(*modules)
     token = _PRODUCT.set(product)

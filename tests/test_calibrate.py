@@ -156,7 +156,7 @@ def test_the_acceptance_curve_is_not_measured_on_the_demo_prompt():
 
 # ---- the first-call machine cost and its cache ------------------------------------------------------------------
 
-def test_the_machine_cost_is_measured_once_and_cached_by_dtype_and_threads(cache_root, monkeypatch, capsys):
+def test_the_machine_cost_is_measured_only_when_asked_cached_by_dtype_and_threads(cache_root, monkeypatch, capsys):
     model = dart_hf.enable(tiny_target(), False)
     head = random_head(model)
     head.acceptance = AcceptanceCurve(tau={1: 1.5, 4: 1.9, 16: 2.2}, steps=5, new_tokens=9, prompts=1)
@@ -169,19 +169,24 @@ def test_the_machine_cost_is_measured_once_and_cached_by_dtype_and_threads(cache
 
     monkeypatch.setattr(calibrate_module, "measure_machine_cost", counted)
     threads = torch.get_num_threads()
-    controller = controller_for(model, head)
+    controller = controller_for(model, head)  # what a call makes: it never measures
+    assert measured == [] and controller.cost is None and controller_for(model, head) is controller
+    attached = dart_hf.enable(tiny_target(), head)
+    attached.generate(PROMPT, max_new_tokens=8, do_sample=False)
+    assert measured == [] and "measuring" not in capsys.readouterr().err
+    cost = machine_cost(model, head)  # asked for (`dart-spec calibrate`, `dart_hf.calibrate`)
     assert measured == [threads] and "measuring what a verify step costs" in capsys.readouterr().err
-    assert controller_for(model, head) is controller  # one per model, head and machine setting
-    files = list((cache_root / "machine").glob("*.json"))
-    assert [f.name.endswith(".learned.json") for f in files] == [False]
+    files = [f for f in (cache_root / "machine").glob("*.json") if not f.name.endswith("learned.json")]
     saved = json.loads(files[0].read_text())
-    assert saved["identity"]["threads"] == threads and saved["identity"]["device"].startswith("cpu:")
-    assert MachineCost.from_dict(saved) == cached_machine_cost(model, head) == controller.cost
+    assert len(files) == 1 and saved["identity"]["threads"] == threads
+    assert saved["identity"]["device"].startswith("cpu:")
+    assert MachineCost.from_dict(saved) == cached_machine_cost(model, head) == cost == machine_cost(model, head)
     sys.modules["dart_hf.controller"]._CONTROLLERS.clear()
-    assert controller_for(model, head).cost == controller.cost and measured == [threads]  # from the disk cache
+    assert controller_for(model, head).cost == cost and measured == [threads]  # a new controller: from the cache
     torch.set_num_threads(threads + 1)  # another thread count is another machine setting
     try:
-        controller_for(model, head)
+        assert controller_for(model, head).cost is None
+        machine_cost(model, head)
     finally:
         torch.set_num_threads(threads)
     assert measured == [threads, threads + 1]
@@ -214,10 +219,10 @@ def test_a_timing_run_without_enough_steps_is_an_error_never_a_cached_zero(cache
     with pytest.raises(DartInputError, match="the timing run made 0 verify steps"):
         machine_cost(model, head, **SMALL_COST)
     assert not list(cache_root.glob("machine/*.json"))
-    # the controller then has no prior and says so; the call still decodes, exactly
+    # calls then learn the step costs from their own steps, exactly
     attached = dart_hf.enable(tiny_target(), head)
     plain = model.generate(PROMPT, max_new_tokens=8, do_sample=False)
-    with pytest.warns(DartCacheWarning, match="could not measure what a verify step costs"):
+    with warnings_as_errors(DartCacheWarning):
         assert torch.equal(attached.generate(PROMPT, max_new_tokens=8, do_sample=False), plain)
 
 
@@ -251,7 +256,7 @@ def test_an_implausible_cost_entry_is_refused_by_name(name):
 
 
 @pytest.mark.parametrize("name", ["null", "all zero", "plain string", "verify zero", "rest nan", "not json"])
-def test_a_bad_cache_entry_is_ignored_with_a_warning_and_generate_measures_again(cache_root, name):
+def test_a_bad_cache_entry_is_ignored_with_a_warning_and_calibrate_replaces_it(cache_root, name):
     model = dart_hf.enable(tiny_target(), False)
     head = random_head(model)
     head.acceptance = AcceptanceCurve(tau={1: 1.5, 4: 1.9}, steps=5, new_tokens=9, prompts=1)
@@ -266,6 +271,8 @@ def test_a_bad_cache_entry_is_ignored_with_a_warning_and_generate_measures_again
     plain = model.generate(PROMPT, max_new_tokens=6, do_sample=False)
     with pytest.warns(DartCacheWarning, match="ignoring the machine-cost cache"):
         assert torch.equal(attached.generate(PROMPT, max_new_tokens=6, do_sample=False), plain)
+    with pytest.warns(DartCacheWarning, match="ignoring the machine-cost cache"):
+        machine_cost(model, head, **SMALL_COST)
     assert cached_machine_cost(model, head) is not None  # measuring again replaced the entry
 
 
@@ -283,8 +290,8 @@ def _unwritable(kind: str, root):
 
 @pytest.mark.parametrize("kind", ["under a file", "proc", "directory where the file belongs"])
 def test_a_cache_that_cannot_be_written_never_fails_generate(tmp_path, monkeypatch, kind):
-    """One DartCacheWarning, the measurement kept in memory for the process (the next call does not measure
-    again), output exactly plain's, for attached heads and dart_head= alike."""
+    """One DartCacheWarning, a measurement kept in memory for the process (a new controller takes it from there),
+    output exactly plain's, for attached heads and dart_head= alike."""
     root = _unwritable(kind, tmp_path)
     monkeypatch.setenv("DART_SPEC_CACHE", str(root))
     model = dart_hf.enable(tiny_target(), False)
@@ -302,6 +309,7 @@ def test_a_cache_that_cannot_be_written_never_fails_generate(tmp_path, monkeypat
                         lambda *a, **k: measured.append(1) or real(*a, **{**k, **SMALL_COST}))
     calibrate_module._WARNED_PATHS.clear()
     with pytest.warns(DartCacheWarning, match="cannot (write|read) its cache"):
+        machine_cost(model, head, **SMALL_COST)
         assert torch.equal(attached.generate(PROMPT, max_new_tokens=8, do_sample=False), plain)
     sys.modules["dart_hf.controller"]._CONTROLLERS.clear()  # a new controller reads the cost from memory
     with warnings_as_errors(DartCacheWarning):
@@ -309,7 +317,7 @@ def test_a_cache_that_cannot_be_written_never_fails_generate(tmp_path, monkeypat
             assert torch.equal(attached.generate(PROMPT, max_new_tokens=8, do_sample=False), plain)
             assert torch.equal(model.generate(PROMPT, max_new_tokens=8, do_sample=False, dart_head=head), plain)
         sys.modules["dart_hf.controller"]._save_all()  # what exit does: no error, no second warning
-    assert measured == [1]
+    assert measured == [1] and controller_for(attached, head).cost is not None
 
 
 def warnings_as_errors(category):

@@ -151,6 +151,10 @@ def controller(machine: Machine, cost: MachineCost | None = "same", curve: Accep
     return SpeedController(SIZES, cost, curve, start_size=start)
 
 
+# a controller learns step costs from its calls alone, or starts from a measured cost (`dart-spec calibrate`)
+PRIORS = pytest.mark.parametrize("prior", [lambda machine: None, prior_from], ids=["learned", "calibrated"])
+
+
 def rate_over_calls(ctrl, machine, calls: int, **kwargs) -> float:
     tokens = seconds = 0.0
     for _ in range(calls):
@@ -167,30 +171,34 @@ def best_fixed(machine: Machine, batch: int = 1) -> tuple[int, float]:
 
 # ---- on synthetic machines ----------------------------------------------------------------------------------
 
-def test_it_converges_to_the_best_fixed_tree():
+@PRIORS
+def test_it_converges_to_the_best_fixed_tree(prior):
     machine = Machine()
     best, best_rate = best_fixed(machine)
     assert best_rate * machine.plain_s > 1.2  # DART pays here
-    ctrl = controller(machine)
+    ctrl = controller(machine, cost=prior(machine))
     rate_over_calls(ctrl, machine, 3)  # learning
     assert rate_over_calls(ctrl, machine, 20) >= 0.95 * best_rate
     assert machine.expected_rate(ctrl.choice(TreeConfig(), 1, 100).remain_total) >= 0.93 * best_rate
 
 
-def test_a_noisy_machine_keeps_dart_where_it_pays_and_a_good_tree():
+@PRIORS
+def test_a_noisy_machine_keeps_dart_where_it_pays_and_a_good_tree(prior):
     machine = Machine(noise=0.3, seed=3)
     _, best_rate = best_fixed(Machine())
-    ctrl = controller(Machine())
+    ctrl = controller(Machine(), cost=prior(Machine()))
     rate_over_calls(ctrl, machine, 3)
     assert rate_over_calls(ctrl, machine, 30) >= 0.9 * best_rate
     assert ctrl.regimes[regime_key(1, 100)].mode == "dart"
 
 
-def test_a_machine_where_no_tree_pays_stays_plain_and_probes_less_and_less():
+@PRIORS
+def test_a_machine_where_no_tree_pays_stays_plain_and_probes_less_and_less(prior):
     machine = Machine(verify=lambda k: 0.150 + 0.004 * k)  # every tree forward costs twice a plain step
     assert best_fixed(machine)[1] * machine.plain_s < 0.8
-    ctrl = controller(machine)
-    assert ctrl.regime(1, 100).mode == "plain"  # the first-call measurement already says so
+    ctrl = controller(machine, cost=prior(machine))
+    if ctrl.cost is not None:
+        assert ctrl.regime(1, 100).mode == "plain"  # a calibrated cost already says so
     gaps, since = [], 0
     for _ in range(200):
         _, _, sizes = run_call(ctrl, machine, steps=32)
@@ -200,15 +208,19 @@ def test_a_machine_where_no_tree_pays_stays_plain_and_probes_less_and_less():
             assert sizes.count(0) >= 32 - 2 * WINDOW  # a probe that loses finishes plain within a few steps
         else:
             since += 1
+    if ctrl.cost is None:  # nothing says so before the first call's own steps
+        assert gaps[0] == 0
+        gaps = gaps[1:]
     assert [g + 1 for g in gaps[:5]] == [FIRST_PROBE_AFTER, 4, 8, 16, 32] and max(gaps) + 1 == MAX_PROBE_AFTER
     rate = rate_over_calls(ctrl, machine, 64, steps=32)
     assert rate * machine.plain_s >= 0.97
 
 
-def test_a_head_that_cannot_pay_is_caught_whatever_its_curve_claims():
+@PRIORS
+def test_a_head_that_cannot_pay_is_caught_whatever_its_curve_claims(prior):
     """A random head (tau 1) shipped with a curve that claims tau 2: the first call's steps show the truth."""
     machine = Machine(verify=lambda k: 0.080 + 0.004 * k, depth_p=0.0)
-    ctrl = controller(machine, curve=curve_of(Machine()))
+    ctrl = controller(machine, cost=prior(machine), curve=curve_of(Machine()))
     _, _, sizes = run_call(ctrl, machine, steps=64)
     dart_steps = [s for s in sizes if s]
     assert len(dart_steps) <= 2 * WINDOW and sizes[-1] == 0
@@ -216,10 +228,11 @@ def test_a_head_that_cannot_pay_is_caught_whatever_its_curve_claims():
     assert rate_over_calls(ctrl, machine, 40) * machine.plain_s >= 0.97
 
 
-def test_a_changing_machine_is_followed_both_ways():
+@PRIORS
+def test_a_changing_machine_is_followed_both_ways(prior):
     fast = Machine()
     slow = Machine(verify=lambda k: 0.200 + 0.010 * k)
-    ctrl = controller(fast)
+    ctrl = controller(fast, cost=prior(fast))
     rate_over_calls(ctrl, fast, 5)
     assert ctrl.regimes[regime_key(1, 100)].mode == "dart"
     _, _, sizes = run_call(ctrl, slow, steps=64)  # the machine turns slow in the middle of the work
@@ -262,7 +275,10 @@ def test_nor_keeps_the_wrong_tree_when_load_bent_the_first_measurement():
     loaded = prior_from(Machine(verify=lambda k: 4 * 0.040 + 0.008 * k, head_s=4 * machine.head_s,
                                 plain_s=4 * machine.plain_s))
     ctrl = controller(machine, cost=loaded, curve=curve_of(machine))
-    assert ctrl.choice(TreeConfig(), 1, 100).remain_total > 2 * best  # what the bent prior alone says
+    key = regime_key(1, 100)
+    ctrl.regime(1, 100)
+    prior = {r: ctrl.prior_step_s(key, r) for r in SIZES}
+    assert choose_tree_size(ctrl.tau_of(False), prior, None)[0] > 2 * best  # what the bent prior alone says
     rate_over_calls(ctrl, machine, 3)
     assert rate_over_calls(ctrl, machine, 10) >= 0.93 * best_rate
     assert ctrl.choice(TreeConfig(), 1, 100).remain_total <= 2 * best
@@ -286,17 +302,19 @@ def test_a_head_without_a_curve_learns_one_from_its_calls():
     machine = Machine()
     ctrl = controller(machine, curve=None)
     _, _, sizes = run_call(ctrl, machine, steps=64)
-    assert max(SIZES) in sizes[:4]  # the largest tree first: it measures tau at every size
+    assert [s for s in sizes if s][:2] == [3, 3]  # small trees first: the start size, then larger as they pay
     rate_over_calls(ctrl, machine, 3)
     assert rate_over_calls(ctrl, machine, 20) >= 0.93 * best_fixed(machine)[1]
-    assert ctrl.tau_of(False)[max(SIZES)] > ctrl.tau_of(False)[1] > 1.0
+    best = ctrl.choice(TreeConfig(), 1, 100).remain_total
+    assert best > 3 and ctrl.tau_of(False)[best] > ctrl.tau_of(False)[1] > 1.0
 
 
-def test_batch_regimes_decide_apart():
+@PRIORS
+def test_batch_regimes_decide_apart(prior):
     """A batch of 8 verifies 8 x (R + 1) rows: on a machine where that costs too much, batch 8 decodes plain while
     batch 1 keeps DART."""
     machine = Machine(verify=lambda k: 0.050 + 0.006 * k)
-    ctrl = controller(machine)
+    ctrl = controller(machine, cost=prior(machine))
     for _ in range(6):
         run_call(ctrl, machine, batch=1)
         run_call(ctrl, machine, batch=8)
@@ -318,6 +336,35 @@ def test_a_call_with_dart_head_never_goes_plain_and_a_fixed_tree_only_teaches():
     policy.observe(5, 1, 10, 0.2, [[0, 1]])
     policy.observe(5, 1, 10, 0.2, [[0, 1]])
     assert ctrl.regimes[regime_key(1, 10)].steps[5].value == pytest.approx(0.2)
+
+
+def test_small_trees_first_a_larger_tree_only_once_a_smaller_one_is_timed():
+    """However good the priors say a large tree is, an untimed size is tried only up to twice the rows of the
+    largest size timed: the first call climbs 3 -> 6 -> 12 ... while the timed steps show it pays."""
+    machine = Machine(verify=lambda k: 0.060 + 0.0005 * k)  # large trees nearly free: the best is the largest
+    ctrl = controller(machine, start=3)
+    _, _, sizes = run_call(ctrl, machine, steps=64)
+    dart = [s for s in sizes if s]
+    assert dart[0] == 3 and max(SIZES) in dart
+    for before, after in zip(dart, dart[1:]):  # each new size within twice the rows of the largest timed before
+        assert after + 1 <= 2 * (max(dart[:dart.index(after)] or [3]) + 1) or after in dart[:dart.index(after)]
+
+
+@PRIORS
+def test_the_verdict_follows_the_latest_evidence_of_any_call(prior):
+    """dart_head= calls that show DART pays lift a plain verdict, so the next attached call decodes with DART; ones
+    that show it loses make later attached calls plain (the explicit call itself still decodes with DART)."""
+    machine, slow = Machine(), Machine(verify=lambda k: 0.200 + 0.010 * k)
+    ctrl = controller(machine, cost=prior(machine))
+    key = regime_key(1, 100)
+    run_call(ctrl, slow)  # an attached call on a loaded machine: plain from then on
+    assert ctrl.regimes[key].mode == "plain" and run_call(ctrl, machine)[2] == []
+    run_call(ctrl, machine, attached=False)  # dart_head= on the machine as it is now
+    assert ctrl.regimes[key].mode == "dart"
+    assert run_call(ctrl, machine)[2].count(0) < 16  # the next attached call decodes with DART
+    _, _, sizes = run_call(ctrl, slow, attached=False)
+    assert 0 not in sizes and ctrl.regimes[key].mode == "plain"
+    assert run_call(ctrl, slow)[2] == []  # the next attached call runs as plain generate()
 
 
 # ---- what is learned is kept ------------------------------------------------------------------------------------

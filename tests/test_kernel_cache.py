@@ -1,4 +1,4 @@
-"""The few-row kernel choices measured in one process are kept on disk for later processes on the machine
+"""The few-row kernel choices made in one process are kept on disk for later processes on the machine
 (`dart_hf.calibration.load_kernel_choices` / `save_kernel_choices`), and a damaged file never fails a call."""
 
 from __future__ import annotations
@@ -21,19 +21,20 @@ TREE = TreeConfig(remain_total=8, context_depth=8)
 @pytest.fixture
 def fresh_process(monkeypatch, tmp_path):
     """A new process as far as kernel choices go: none in memory, none adopted yet, an empty cache; returns the
-    list of row buckets measured from here on."""
+    list of the choice keys whose products tried both kernels from here on."""
     monkeypatch.setenv("DART_SPEC_CACHE", str(tmp_path))
     measured = []
-    original = matmul._median_pass_seconds
+    original = matmul.trial_product
 
-    def counting(products, weights, rows):
-        measured.append(rows)
-        return original(products, weights, rows)
+    def counting(x, weight, bias, rows):
+        measured.append(matmul.choice_key(weight, rows))
+        return original(x, weight, bias, rows)
 
-    monkeypatch.setattr(matmul, "_median_pass_seconds", counting)
+    monkeypatch.setattr(matmul, "trial_product", counting)
 
     def restart():
         monkeypatch.setattr(matmul, "_CHOICES", {})
+        monkeypatch.setattr(matmul, "_TRIALS", {})
         monkeypatch.setattr(calibration, "_KERNELS", {"loaded": False, "saved": 0})
         measured.clear()
 
@@ -50,14 +51,16 @@ def test_a_later_process_adopts_the_choices_and_measures_nothing(fresh_process):
     measured, restart = fresh_process
     model = dart_hf.enable(tiny_target(), False)
     plain = model.generate(PROMPT, max_new_tokens=24, do_sample=False)
-    assert torch.equal(decode(model), plain) and measured  # trees of several rows: buckets measured here
-    assert calibration.kernel_choices_path().is_file()
+    assert torch.equal(decode(model), plain) and measured  # trees of several rows: kernels tried here
+    decided = set(matmul.kernel_choices())
+    assert decided and calibration.kernel_choices_path().is_file()
     restart()
-    assert torch.equal(decode(model), plain) and measured == []  # adopted from the file
+    assert torch.equal(decode(model), plain) and not decided & set(measured)  # adopted from the file
+    assert decided <= set(matmul.kernel_choices())
 
 
-@pytest.mark.parametrize("damage", ["not json {", "[" * 50000, '{"version": 1, "choices": {"k": "yes"}}',
-                                    '{"version": 99, "choices": {}}', '{"version": 1, "choices": [1]}'])
+@pytest.mark.parametrize("damage", ["not json {", "[" * 50000, '{"version": 2, "choices": {"k": "yes"}}',
+                                    '{"version": 1, "choices": {}}', '{"version": 2, "choices": [1]}'])
 def test_a_damaged_choice_file_is_ignored_with_one_warning_and_replaced(fresh_process, damage):
     measured, restart = fresh_process
     model = dart_hf.enable(tiny_target(), False)
@@ -75,4 +78,5 @@ def test_a_damaged_choice_file_is_ignored_with_one_warning_and_replaced(fresh_pr
     restart()
     with warnings.catch_warnings():
         warnings.simplefilter("error", dart_hf.DartCacheWarning)
-        assert torch.equal(decode(model), plain) and measured == []  # the file was replaced by valid choices
+        saved = set(calibration.read_cache_file(path)["choices"])  # the file was replaced by valid choices
+        assert torch.equal(decode(model), plain) and saved and not set(measured) & saved  # which are adopted

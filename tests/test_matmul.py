@@ -32,9 +32,9 @@ def two_threads():
 
 
 @pytest.mark.parametrize("faster", [True, False])
-def test_few_row_linear_takes_the_product_measured_faster_for_few_rows(two_threads, monkeypatch, faster):
+def test_few_row_linear_takes_the_product_decided_faster_for_few_rows(two_threads, monkeypatch, faster):
     asked = []
-    monkeypatch.setattr(matmul, "transposed_is_faster", lambda weight, rows: asked.append(rows) or faster)
+    monkeypatch.setattr(matmul, "kernel_choice", lambda weight, rows: asked.append(rows) or faster)
     g = torch.Generator().manual_seed(0)
     w = torch.randn(64, 32, generator=g)
     for rows in (1, 2, MAX_ROWS, MAX_ROWS + 1):
@@ -45,54 +45,78 @@ def test_few_row_linear_takes_the_product_measured_faster_for_few_rows(two_threa
     assert asked == [2, MAX_ROWS]  # one row and more than MAX_ROWS are F.linear without asking
 
 
-def test_the_measured_choice_is_made_once_per_group_row_bucket_threads_and_dtype(two_threads, monkeypatch):
+@pytest.fixture
+def fake_kernels(monkeypatch):
+    """Both kernels replaced by ones that advance a fake clock by the seconds `costs` gives for (kernel, weight
+    shape); returns (costs, the kernel of each product in order: 0 F.linear, 1 W @ x.T)."""
     monkeypatch.setattr(matmul, "_CHOICES", {})
-    timed = []
-    timings = iter([(1.0, 0.5), (1.0, 0.95), (1.0, 0.5), (1.0, 0.5)])  # first 2x faster, then only 5% faster
+    monkeypatch.setattr(matmul, "_TRIALS", {})
+    clock, ran, costs = [0.0], [], {}
 
-    def passes(products, weights, rows):
-        timed.append((len(weights), rows))
-        return next(timings)
+    def kernel(index):
+        def product(x, weight, bias):
+            ran.append(index)
+            clock[0] += costs[(index, tuple(weight.shape))]
+            return F.linear(x, weight, bias)
+        return product
 
-    monkeypatch.setattr(matmul, "_median_pass_seconds", passes)
-    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4))
-    lone = torch.randn(8, 4)
-    matmul.install_few_row_forwards(model)
-    w = model[0].weight
-    assert matmul.transposed_is_faster(w, 5) and matmul.transposed_is_faster(model[1].weight, 6)  # one group, once
-    assert not matmul.transposed_is_faster(w, 7)  # the next bucket: inside the margin, F.linear stays
-    assert timed == [(2, 6), (2, 8)]  # every weight of the group timed together, at the bucket's bound
-    model.to(torch.bfloat16)  # another dtype is measured anew, for the same group
-    assert matmul.transposed_is_faster(model[0].weight, 2) and timed[-1] == (2, 2)
-    assert matmul.transposed_is_faster(lone, 2) and timed[-1] == (1, 2)  # a weight outside any group: alone
-    assert [k for k in matmul.kernel_choices() if k.startswith("8:4|")] == ["8:4|2|2|float32"]  # the lone weight's
-    model_copy = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4))  # another module of the same shapes: same choices
-    matmul.install_few_row_forwards(model_copy)
-    assert matmul.transposed_is_faster(model_copy[0].weight, 5) and len(timed) == 4
+    monkeypatch.setattr(matmul, "PRODUCTS", (kernel(0), kernel(1)))
+    monkeypatch.setattr(matmul, "now", lambda: clock[0])
+    return costs, ran
 
 
-def test_adopted_choices_are_not_measured_again_and_bad_ones_are_refused(two_threads, monkeypatch):
-    monkeypatch.setattr(matmul, "_CHOICES", {})
-    monkeypatch.setattr(matmul, "_median_pass_seconds", lambda *a: pytest.fail("measured an adopted choice"))
-    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4))
-    matmul.install_few_row_forwards(model)
-    matmul.adopt_kernel_choices({"8:4x4:8|6|2|float32": True, "8:4x4:8|8|2|float32": False})
-    assert matmul.transposed_is_faster(model[0].weight, 5) and not matmul.transposed_is_faster(model[1].weight, 7)
-    matmul.adopt_kernel_choices({"8:4x4:8|6|2|float32": False})  # what this process knows stays
-    assert matmul.transposed_is_faster(model[0].weight, 6)
+def test_the_choice_is_learned_from_the_products_a_forward_runs(two_threads, fake_kernels):
+    costs, ran = fake_kernels
+    w, other = torch.randn(8, 4), torch.randn(16, 4)
+    costs.update({(0, (8, 4)): 1.0, (1, (8, 4)): 0.5, (0, (16, 4)): 1.0, (1, (16, 4)): 0.95})
+    x = torch.randn(5, 4)
+    for _ in range(2 * matmul.TRIAL_SAMPLES):
+        torch.testing.assert_close(few_row_linear(x, w, None), F.linear(x, w))
+    assert ran == [0, 1] * matmul.TRIAL_SAMPLES  # the two kernels in turn, each product timed
+    assert matmul.kernel_choice(w, 5) is True and matmul.kernel_choice(w, 6) is True  # one row bucket
+    assert matmul.kernel_choice(w, 7) is None and matmul.kernel_choice(other, 5) is None  # another bucket, shape
+    for _ in range(2 * matmul.TRIAL_SAMPLES):
+        few_row_linear(x, other, None)
+    assert matmul.kernel_choice(other, 5) is False  # 5% faster is inside the margin: F.linear stays
+    w_half = w.to(torch.bfloat16)
+    assert matmul.kernel_choice(w_half, 5) is None  # another dtype is learned anew
+    assert matmul.kernel_choices() == {"8:4|6|2|float32": True, "16:4|6|2|float32": False}
+
+
+def test_one_slow_product_does_not_decide_the_choice(two_threads, fake_kernels):
+    costs, ran = fake_kernels
+    w = torch.randn(8, 4)
+    costs.update({(0, (8, 4)): 1.0, (1, (8, 4)): 0.5})
+    x = torch.randn(3, 4)
+    few_row_linear(x, w, None)
+    costs[(1, (8, 4))] = 50.0  # a one-off cost (a new shape's set-up, a slow spell of the machine)
+    few_row_linear(x, w, None)
+    costs[(1, (8, 4))] = 0.5
+    for _ in range(2 * matmul.TRIAL_SAMPLES - 2):
+        few_row_linear(x, w, None)
+    assert matmul.kernel_choice(w, 3) is True  # the median of each kernel's products decides
+
+
+def test_adopted_choices_are_not_tried_again_and_bad_ones_are_refused(two_threads, fake_kernels):
+    costs, ran = fake_kernels
+    w = torch.randn(8, 4)
+    matmul.adopt_kernel_choices({"8:4|6|2|float32": True, "8:4|8|2|float32": False})
+    x = torch.randn(5, 4)
+    assert torch.equal(few_row_linear(x, w, None), (w @ x.T).T) and ran == []  # the adopted kernel, no trial
+    matmul.adopt_kernel_choices({"8:4|6|2|float32": False})  # what this process knows stays
+    assert matmul.kernel_choice(w, 6) is True and matmul.kernel_choice(w, 7) is False
     for bad in ([1], {"k": 1}, {"k": "yes"}, {3: True}):
         with pytest.raises(ValueError):
             matmul.adopt_kernel_choices(bad)
 
 
-def test_the_pass_timing_streams_every_weight_with_each_product():
-    calls = []
+def test_settling_decides_every_weight_of_a_bucket(two_threads, monkeypatch):
+    monkeypatch.setattr(matmul, "_CHOICES", {})
+    monkeypatch.setattr(matmul, "_TRIALS", {})
     weights = [torch.randn(6, 4), torch.randn(3, 6)]
-    product = lambda x, w, b: calls.append((tuple(x.shape), tuple(w.shape)))  # noqa: E731
-    times = matmul._median_pass_seconds([product, product], weights, rows=2)
-    assert len(times) == 2 and all(t >= 0 for t in times)
-    assert calls[:2] == [((2, 4), (6, 4)), ((2, 6), (3, 6))]
-    assert len(calls) == 2 * 2 * (matmul.REPEATS + 1)
+    matmul.settle_kernel_choices(weights, rows=4)
+    assert all(matmul.kernel_choice(w, 4) is not None for w in weights)
+    assert matmul.kernel_choice(weights[0], 5) is None
 
 
 def test_few_row_linears_apply_inside_the_block_only():

@@ -61,7 +61,7 @@ def run_threads(jobs, names=None) -> list:
 
 def test_concurrent_dart_and_plain_calls_each_equal_their_solo_result(fast_switching, monkeypatch):
     # the few-row product on every few-row input, measured or not, and a record of the threads that ran it
-    monkeypatch.setattr(matmul, "transposed_is_faster", lambda weight, rows: True)
+    monkeypatch.setattr(matmul, "kernel_choice", lambda weight, rows: True)
     ran_in = []
     transposed = matmul.transposed_linear
 
@@ -123,7 +123,7 @@ PHASES = [("prefill", dart_hf.loop, "prefill"), ("draft", dart_hf.loop, "draft")
 def test_an_interrupt_at_any_phase_leaves_the_model_as_it_was(monkeypatch, name, owner, attribute, at_call):
     if name == "prefill" and at_call > 1:
         pytest.skip("one prefill per call")
-    monkeypatch.setattr(matmul, "transposed_is_faster", lambda weight, rows: True)
+    monkeypatch.setattr(matmul, "kernel_choice", lambda weight, rows: True)
     model = dart_hf.enable(tiny_target(), False)
     head = random_head(model)
     model.generate(PROMPTS[1], max_new_tokens=4, do_sample=False, dart_head=head)  # DART's dispatchers installed

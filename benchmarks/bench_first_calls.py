@@ -1,0 +1,160 @@
+"""A new user's first calls with the shipped head attached, against plain generate() in the same conditions: each
+session is a fresh process with an empty dart-spec cache (as a notebook's first cell, a CI job or a command-line
+tool starts), idle or with one other process keeping one of the two cores busy, at 1 and 2 threads.
+
+    python benchmarks/bench_first_calls.py --json benchmarks/results/first_calls.json
+    python benchmarks/bench_first_calls.py --scenarios first --configs 2:idle --repeats 1 --new-tokens 8   # quick
+
+Scenarios (`--scenarios`), SmolLM2-135M-Instruct float32, greedy, held-out chat prompts
+(`dart_bench/data/fresh_prompts.jsonl`):
+- first: one call of `--new-tokens` (64) tokens, the session's first; one session per prompt (`--repeats`);
+- cannot_pay: a head of the shipped shape with random weights and no acceptance curve (it accepts next to nothing),
+  4 calls x 48 tokens on 4 prompts, the session's total time;
+- batches: one untimed call at batch 1, then two calls at batch 4 (4 prompts, left-padded) and two at batch 8, 48
+  tokens each; each call timed;
+- demo: `dart-spec demo`'s own measurement (plain and DART alternated after a streamed warm-up), in a fresh session.
+
+A DART session and a plain session alternate for each repeat (plain: the same calls with `dart_head=False` on a model
+with nothing attached); a ratio is plain's seconds over DART's for the same calls (the demo: its tokens/s ratio).
+Every DART output must equal plain's. Configs (`--configs`): threads:load pairs, load `idle` or `busy` (one spinning
+process beside the session for its whole duration, model loading included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from dart_bench import DATA_DIR, environment, prompts_from_file, script_parser, write_results
+from dart_bench.load import busy_cores
+
+SCENARIOS = ("first", "cannot_pay", "batches", "demo")
+CONFIGS = "1:idle,1:busy,2:idle,2:busy"
+MARK = "RESULT "
+
+
+def _session(spec: dict) -> dict:
+    """One fresh process's calls (run in the child): seconds of each timed call, the outputs, the steps."""
+    import dart_hf
+    from dart_bench import chat_batch, timed
+
+    torch.set_num_threads(spec["threads"])
+    if spec["scenario"] == "demo":
+        from dart_cli.demo import model_demo
+
+        result = model_demo(max_new_tokens=spec["new_tokens"], repeats=3)
+        return {"ratio": result["speedup"], "identical": bool(result["identical"])}
+    model, tokenizer, head = dart_hf.load_default()
+    tokenizer.padding_side = "left"
+    if spec["scenario"] == "cannot_pay":
+        from benchmarks.bench_controller import head_that_cannot_pay
+
+        head = head_that_cannot_pay(model, curve=False)
+    if spec["dart"]:
+        dart_hf.enable(model, head)
+    texts = prompts_from_file(DATA_DIR / "fresh_prompts.jsonl", 16)
+    calls = {  # (batch of prompts, new tokens, timed)
+        "first": [([texts[spec["repeat"] % len(texts)]], spec["new_tokens"], True)],
+        "cannot_pay": [([t], 48, True) for t in texts[:4]],
+        "batches": [(texts[8:9], 16, False)] + [(texts[:4], 48, True)] * 2 + [(texts[:8], 48, True)] * 2,
+    }[spec["scenario"]]
+    seconds, outputs, steps = [], [], []
+    for prompts, n, counted in calls:
+        batch = chat_batch(tokenizer, prompts)
+        extra = {} if spec["dart"] else {"dart_head": False}
+        out, s = timed(model.generate, **batch, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                       pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id, **extra)
+        stats = model.dart_stats if spec["dart"] else None
+        if counted:
+            seconds.append(s)
+            outputs.append(out.tolist())
+            steps.append(None if stats is None else stats.tree_sizes)
+    return {"seconds": seconds, "outputs": outputs, "tree_sizes": steps}
+
+
+def run_session(spec: dict, busy: bool) -> dict:
+    """`_session(spec)` in a fresh process with an empty cache (beside one busy process if `busy`)."""
+    env = dict(os.environ, DART_SPEC_CACHE=tempfile.mkdtemp(prefix="dart-bench-first-"),
+               PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]))
+    with busy_cores(1 if busy else 0):
+        done = subprocess.run([sys.executable, __file__, "--session", json.dumps(spec)], env=env, text=True,
+                              capture_output=True)
+    line = next((x for x in reversed(done.stdout.splitlines()) if x.startswith(MARK)), None)
+    if done.returncode != 0 or line is None:
+        raise RuntimeError(f"session {spec} failed:\n{done.stderr[-3000:]}")
+    return json.loads(line[len(MARK):])
+
+
+def compare(scenario: str, threads: int, busy: bool, repeat: int, new_tokens: int) -> dict:
+    """A plain session and a DART session of one scenario, config and repeat -> ratios and identity."""
+    spec = {"scenario": scenario, "threads": threads, "repeat": repeat, "new_tokens": new_tokens}
+    if scenario == "demo":
+        got = run_session({**spec, "dart": True}, busy)
+        return {"ratios": [got["ratio"]], "identical": got["identical"]}
+    plain = run_session({**spec, "dart": False}, busy)
+    dart = run_session({**spec, "dart": True}, busy)
+    if scenario == "cannot_pay":
+        ratios = [sum(plain["seconds"]) / sum(dart["seconds"])]
+    else:
+        ratios = [p / d for p, d in zip(plain["seconds"], dart["seconds"])]
+    return {"ratios": ratios, "identical": plain["outputs"] == dart["outputs"], "plain_s": plain["seconds"],
+            "dart_s": dart["seconds"], "tree_sizes": dart["tree_sizes"]}
+
+
+def main(argv=None) -> int:
+    parser = script_parser(__doc__)
+    parser.add_argument("--session", help=argparse.SUPPRESS)  # a child's spec
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS))
+    parser.add_argument("--configs", default=CONFIGS, help=f"threads:load pairs (default {CONFIGS})")
+    parser.add_argument("--repeats", type=int, default=3, help="sessions of each kind per scenario and config")
+    parser.add_argument("--new-tokens", type=int, default=64, help="tokens of the first call (the demo's: 128)")
+    args = parser.parse_args(argv)
+    if args.session:
+        print(MARK + json.dumps(_session(json.loads(args.session))), flush=True)
+        return 0
+    scenarios = [s for s in args.scenarios.split(",") if s]
+    if set(scenarios) - set(SCENARIOS):
+        parser.error(f"unknown scenarios {sorted(set(scenarios) - set(SCENARIOS))}")
+    configs = []
+    for pair in args.configs.split(","):
+        threads, _, load = pair.partition(":")
+        if load not in ("idle", "busy") or not threads.isdigit():
+            parser.error(f"a config is threads:idle or threads:busy, got {pair!r}")
+        configs.append((int(threads), load == "busy"))
+    rows = []
+    for scenario in scenarios:
+        for threads, busy in configs:
+            if scenario == "demo" and not busy:
+                continue  # the idle demo is BENCHMARKS.md's own row
+            repeats = args.repeats if scenario in ("first", "demo") else 1
+            runs = [compare(scenario, threads, busy, r, 128 if scenario == "demo" else args.new_tokens)
+                    for r in range(repeats)]
+            ratios = [x for run in runs for x in run["ratios"]]
+            row = {"scenario": scenario, "threads": threads, "load": "busy" if busy else "idle",
+                   "median": statistics.median(ratios), "min": min(ratios), "ratios": ratios,
+                   "identical": all(run["identical"] for run in runs), "runs": runs}
+            rows.append(row)
+            print(f"{scenario:10s} {threads} thread(s) {row['load']:4s}: median {row['median']:.2f}x, min "
+                  f"{row['min']:.2f}x ({', '.join(f'{r:.2f}' for r in ratios)}), identical {row['identical']}",
+                  flush=True)
+    results = {"environment": environment(torch.device("cpu"), Path(__file__).resolve().parents[1]),
+               "new_tokens": args.new_tokens, "repeats": args.repeats, "rows": rows}
+    print("\n| scenario | threads | load | median | min | ratios | identical |\n|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['scenario']} | {r['threads']} | {r['load']} | {r['median']:.2f}x | {r['min']:.2f}x | "
+              f"{', '.join(f'{x:.2f}' for x in r['ratios'])} | {r['identical']} |")
+    if args.json:
+        write_results(args.json, results)
+    return 0 if all(r["identical"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
