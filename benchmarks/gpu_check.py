@@ -28,7 +28,7 @@ inside DART's loop, so the phase times are device time):
 
 Prompts: MT-Bench first turns (chat template) from `--prompt-file` (JSON lines with "turns" lists, or "prompt" /
 "text" strings), by default the MT-Bench set shipped in `dart_bench/data/`. One JSON is written (atomically, rewritten after every prompt so a run cut short leaves its finished ones) with
-the device name, versions, commit and settings. Its CPU runs are no speed claim; the GPU rows of BENCHMARKS.md come
+the device name, versions, commit and settings. Its CPU runs are no speed claim; the GPU rows of docs/benchmark-history.md come
 from its GPU runs.
 
 JSON: `environment` (device, device_name, torch, transformers, cuda, python, commit: git HEAD or
@@ -65,7 +65,7 @@ DEFAULT_PROMPT_FILE = DATA_DIR / "mt_bench_questions.jsonl"
 PHASES = ("head", "tree", "mask", "target", "accept", "compact", "verify")
 # Token-for-token identity with plain greedy is required in float32 (exit status 1 otherwise). In bfloat16 / float16
 # a multi-token forward (the tree) rounds differently from a one-token forward, so greedy outputs drift apart at
-# near-ties: transformers' own prompt-lookup decoding does the same (BENCHMARKS.md,
+# near-ties: transformers' own prompt-lookup decoding does the same (docs/benchmark-history.md,
 # benchmarks/bench_cpu_speed.py); identity there is reported, not required.
 EXACT_DTYPES = ("float32", "float64")
 OVERHEAD_GOAL = 0.15  # overhead per step as a fraction of a plain step, H100/H200-class GPU, SmolLM2-135M

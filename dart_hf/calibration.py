@@ -16,10 +16,10 @@ exactly per step (tested against real R-node runs from the same states); over a 
 smaller tree's later steps start elsewhere.
 
 Cost (`MachineCost`): the machine, dtype, threads, target and head, measured on request in a few seconds
-(`machine_cost`, one line on stderr) and cached; a controller that finds it predicts untimed tree sizes from it. `t_verify(k)`: one target forward over k
-new tokens on a 256-token cache, the way the tree loop runs it (4D tree mask, tapped hidden states, its kernels), at
-k = 1, 2, 4, ..., R_max + 1, made non-decreasing in k (pool-adjacent-violators: a dip is noise) and interpolated
-linearly; `t_plain`: one plain 1-token forward on the same cache; the head forward, tree search and the rest of a step
+(`machine_cost`, one line on stderr) and cached; a controller that finds it predicts untimed tree sizes from it.
+`t_verify(k)`: one target forward over k new tokens on a 256-token cache, the way the tree loop runs it (4D tree
+mask, tapped hidden states, its kernels), at k = 1, 2, 4, ..., R_max + 1, made non-decreasing in k
+(pool-adjacent-violators: a dip is noise) and interpolated linearly; `t_plain`: one plain 1-token forward on the same cache; the head forward, tree search and the rest of a step
 (acceptance, cache compaction) per step from a short DART run that decodes its full length whatever the target's EOS
 (they hardly depend on R). A measurement that cannot be made (a run without verify steps, a time that is not a
 positive number) raises `DartInputError`; nothing empty or absurd is cached.

@@ -4,8 +4,8 @@ A tree verify step runs every linear layer of the target on a handful of rows (t
 head on its new rows and mask rows. For such inputs `F.linear` (x [M, K] @ W.T, a GEMM with a transposed B) can be
 slow on the CPU, and computing the same product as `W @ x.T` (W the left operand, then transposed back) can be much
 faster: on 2-core AMD EPYC machines a SmolLM2 forward over 2-4 tokens took less than a one-token forward with it; on a
-2-core Intel Xeon `F.linear` was the faster one (BENCHMARKS.md, "Verify kernels"). So the choice is made per machine,
-weight shape, thread count, dtype and row bucket. Both are products of the same numbers, summed in another order:
+2-core Intel Xeon `F.linear` was the faster one (docs/benchmark-history.md, "Verify kernels"). So the choice is made
+per machine, weight shape, thread count, dtype and row bucket. Both are products of the same numbers, summed in another order:
 results agree to rounding, as any two BLAS kernels do; DART's losslessness does not rest on bitwise equality with plain
 decoding's kernels (a one-token step already uses another kernel, a matrix-vector product, than a tree forward).
 
