@@ -39,7 +39,7 @@ import dart_hf
 from dart_bench import DATA_DIR, chat_batch, environment, prompt_set, prompts_from_file, script_parser, timed, \
     write_results
 from dart_bench.load import busy_cores
-from dart_bench.replay import random_head
+from dart_bench.replay import random_head, shipped_shape
 from dart_core import AcceptanceCurve, DartHead
 
 CELLS = ("batch", "context", "threads", "cannot_pay", "load", "heldout")
@@ -124,7 +124,7 @@ def head_that_cannot_pay(model, curve: bool) -> DartHead:
     """A head of the shipped shape with random weights (it accepts next to nothing); with `curve`, one that claims
     it pays (a flat tau of 1.3 at every size)."""
     cfg = model.config
-    head = random_head(cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers, draft_length=6)
+    head = random_head(shipped_shape(cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers, draft_length=6))
     if curve:
         head.acceptance = AcceptanceCurve(tau={r: 1.3 for r in (1, 2, 3, 4, 8, 16, 60)}, steps=100, new_tokens=130,
                                           prompts=1)

@@ -58,7 +58,7 @@ import torch
 
 from dart_bench import (DATA_DIR, Progress, chat_ids, environment, first_difference, prompts_from_file,
                         script_parser, timed_generate, write_results)
-from dart_hf.loop import tau_of
+from dart_core.acceptance import tau_of
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_PROMPT_FILE = DATA_DIR / "mt_bench_questions.jsonl"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from dart_core.config import DartConfig
@@ -68,17 +70,25 @@ class ReplayHead(DartHead):
         return replay
 
 
-def random_head(hidden_size: int, vocab_size: int, num_target_layers: int, draft_length: int, seed: int = 0,
-                draft_vocab_size: int = 8192) -> DartHead:
-    """A head of the shipped SmolLM2 head's shape (1,536-wide MLP, 9 heads, 3 KV heads) with random weights
-    (N(0, 0.02), a random d2t): it accepts next to nothing, at a trained head's cost."""
+def shipped_shape(hidden_size: int, vocab_size: int, num_target_layers: int, draft_length: int,
+                  draft_vocab_size: int = 8192) -> DartConfig:
+    """The shipped SmolLM2 head's shape (1,536-wide MLP, 9 heads, 3 KV heads) for a target of these sizes."""
+    return DartConfig(hidden_size=hidden_size, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
+                      vocab_size=vocab_size, draft_vocab_size=draft_vocab_size, draft_length=draft_length,
+                      target_hidden_size=hidden_size, num_target_layers=num_target_layers)
+
+
+def random_head(config: DartConfig, std: float = 0.02, seed: int = 0, d2t: Optional[torch.Tensor] = None) -> DartHead:
+    """A head of `config` with every weight drawn from N(0, `std`) after `torch.manual_seed(seed)`, and `d2t` as its
+    draft-to-target offsets (None: random ones, drawn after the weights; a draft vocabulary as large as the target's
+    keeps the identity): at `std` 0.02 it accepts next to nothing, at a trained head's cost."""
     torch.manual_seed(seed)
-    head = DartHead(DartConfig(hidden_size=hidden_size, intermediate_size=1536, num_attention_heads=9,
-                               num_key_value_heads=3, vocab_size=vocab_size, draft_vocab_size=draft_vocab_size,
-                               draft_length=draft_length, target_hidden_size=hidden_size,
-                               num_target_layers=num_target_layers))
+    head = DartHead(config)
     with torch.no_grad():
         for p in head.parameters():
-            p.normal_(0.0, 0.02)
-        head.d2t.copy_(torch.randint(0, vocab_size - draft_vocab_size, (draft_vocab_size,)))
+            p.normal_(0.0, std)
+        if d2t is not None:
+            head.d2t.copy_(d2t)
+        elif config.draft_vocab_size < config.vocab_size:
+            head.d2t.copy_(torch.randint(0, config.vocab_size - config.draft_vocab_size, (config.draft_vocab_size,)))
     return head

@@ -73,6 +73,7 @@ import torch
 from transformers import StoppingCriteria
 
 from dart_core import AcceptanceCurve, DartHead, TreeConfig
+from dart_core.acceptance import accepted_within, tau_of
 from dart_core.config import MAX_TREE_NODES
 from dart_core.errors import DartInputError
 from dart_hf.calibration import (CANDIDATES, NO_FILE, DartCacheWarning, MachineCost, base_tree_config,
@@ -224,14 +225,6 @@ def bucket(n: int, minimum: int = 1) -> int:
 def regime_key(batch_size: int, context_length: int) -> tuple[int, int]:
     """(batch bucket, context bucket): a step of `batch_size` sequences over `context_length` cache positions."""
     return bucket(max(batch_size, 1)), bucket(context_length, CONTEXT_BUCKET_MIN)
-
-
-def accepted_within(ranks: list[int], size: int) -> int:
-    """Draft tokens a tree of `size` nodes would have accepted: the leading accepted nodes of rank < size."""
-    n = 0
-    while n < len(ranks) and ranks[n] < size:
-        n += 1
-    return n
 
 
 @dataclasses.dataclass
@@ -811,7 +804,7 @@ class CallPolicy:
                 return
             ctrl.observe_step(key, tree_size, seconds, accepted_ranks, self.sampled)
             self.dart_steps[key] = self.dart_steps.get(key, 0) + 1
-            tokens = 1.0 + sum(map(len, accepted_ranks)) / max(len(accepted_ranks), 1)
+            tokens = tau_of(sum(map(len, accepted_ranks)), len(accepted_ranks))
             recent = self.recent.setdefault(key, [])
             if step_seconds_ok(seconds):  # a clock that stalled or stepped back times nothing
                 recent.append((tokens, seconds))

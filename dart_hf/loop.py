@@ -16,6 +16,7 @@ import torch
 
 from dart_core import (DartHead, DraftTreeBatch, Drafter, OutputStore, TreeConfig, draft_context_length, verify_greedy,
                        verify_tree)
+from dart_core.acceptance import accepted_within, tau_of
 from dart_runtime.cuda_graph import cached_graph
 from dart_core.context import SOURCE_HEAD, SOURCE_NGRAM, SOURCE_STORE, ContextDrafter, ContextProposals
 from dart_core.model_free import check_model_free_tree
@@ -32,11 +33,6 @@ from dart_hf.target import (AttentionLayout, TargetPlan, attention_layout, check
                             check_cache, check_ngram_fits, check_tree_fits, crop_cache, hidden_state_request,
                             keep_accepted_path, plan_for, prompt_positions, sliding_dropped, tapped_hidden_states,
                             tree_attention_mask, tree_forward, tree_forwards, tree_settings, whole_sliding_layers)
-
-
-def tau_of(accepted: int, steps: int) -> float:
-    """Tokens per verify step, the bonus token included: (accepted draft tokens + steps) / steps (0 without steps)."""
-    return (accepted + steps) / steps if steps else 0.0
 
 
 @dataclasses.dataclass
@@ -138,23 +134,17 @@ class DartStats:
         out: dict[int, list[int]] = {}
         for row, accepted in zip(self.batch_rows, self.accepted_lengths):
             out.setdefault(row, []).append(accepted)
-        return {row: 1.0 + sum(a) / len(a) for row, a in sorted(out.items())}
+        return {row: tau_of(sum(a), len(a)) for row, a in sorted(out.items())}
 
     def accepted_within(self, remain_total: int) -> list[int]:
         """Per verify step: draft tokens a tree of `remain_total` nodes would have accepted from the same state
-        (greedy), i.e. the leading accepted nodes of rank < remain_total."""
-        out = []
-        for ranks in self.accepted_ranks:
-            n = 0
-            while n < len(ranks) and ranks[n] < remain_total:
-                n += 1
-            out.append(n)
-        return out
+        (greedy), i.e. the leading accepted nodes of rank < remain_total (`dart_core.acceptance.accepted_within`)."""
+        return [accepted_within(ranks, remain_total) for ranks in self.accepted_ranks]
 
     def tau_at(self, remain_total: int) -> float:
         """Estimated tau of a tree of `remain_total` draft nodes: 1 + mean of `accepted_within(remain_total)`."""
         counts = self.accepted_within(remain_total)
-        return 1.0 + sum(counts) / len(counts) if counts else 0.0
+        return tau_of(sum(counts), len(counts))
 
     def acceptance_by_position(self) -> list[float]:
         """Fraction of steps that accepted at least k+1 draft tokens, for k = 0, 1, ..."""

@@ -7,8 +7,11 @@ import string
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from dart_core import DartConfig, DartHead
+from dart_bench import replay
 from dart_bench.replay import ReplayHead
+from dart_core import DartConfig, DartHead
+
+PAD = 0  # the tests' padding id
 
 ARCHS = {
     "llama": (LlamaConfig, LlamaForCausalLM),
@@ -56,17 +59,11 @@ def random_head(target, draft_length: int = 4, draft_vocab: int | None = None, s
     cfg = target.config.get_text_config(decoder=True)
     vocab = int(target.get_input_embeddings().weight.shape[0])
     draft_vocab = draft_vocab or vocab
-    torch.manual_seed(seed)
-    head = DartHead(DartConfig(hidden_size=cfg.hidden_size, intermediate_size=2 * cfg.hidden_size,
-                               num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab,
-                               draft_vocab_size=draft_vocab, draft_length=draft_length,
-                               target_hidden_size=cfg.hidden_size, num_target_layers=cfg.num_hidden_layers))
-    with torch.no_grad():
-        for p in head.parameters():
-            p.normal_(0.0, 0.3)
-        if draft_vocab < vocab:  # a draft vocab of every other token: draft id i -> target id 2i
-            head.d2t.copy_(torch.arange(draft_vocab))
-    return head
+    config = DartConfig(hidden_size=cfg.hidden_size, intermediate_size=2 * cfg.hidden_size, num_attention_heads=4,
+                        num_key_value_heads=2, vocab_size=vocab, draft_vocab_size=draft_vocab, draft_length=draft_length,
+                        target_hidden_size=cfg.hidden_size, num_target_layers=cfg.num_hidden_layers)
+    # a smaller draft vocab is every other token: draft id i -> target id 2i (offset i)
+    return replay.random_head(config, std=0.3, seed=seed, d2t=torch.arange(draft_vocab) if draft_vocab < vocab else None)
 
 
 def attach(model, head):
@@ -161,7 +158,18 @@ def _tiny(model_type: str, seed: int, keep: tuple[str, ...], overrides: dict):
     return model
 
 
-def left_padded(prompts: list[torch.Tensor], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def unpadded(row: torch.Tensor, mask_row: torch.Tensor) -> torch.Tensor:
+    """A row of generate()'s output without its left padding (the replay head's reference)."""
+    return row[int((mask_row == 0).sum()):]
+
+
+def random_prompts(lengths, seed: int = 0, vocab: int = 96, low: int = 1) -> list[torch.Tensor]:
+    """Random prompts of `lengths` tokens, ids in `low`..`vocab` - 1 (0 is the tests' padding)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(low, vocab, (n,), generator=gen) for n in lengths]
+
+
+def left_padded(prompts: list[torch.Tensor], pad: int = PAD) -> tuple[torch.Tensor, torch.Tensor]:
     """Prompts of different lengths as one left-padded batch: (ids [B, T] padded with `pad`, attention mask [B, T])."""
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad)

@@ -52,10 +52,10 @@ def test_demo_without_the_head_is_one_line_naming_the_directory(tmp_path, monkey
 
 
 def smollm2_shaped_head(path):
-    from dart_bench.replay import random_head
+    from dart_bench.replay import random_head, shipped_shape
     from dart_core import TreeConfig
 
-    head = random_head(576, 49152, 30, draft_length=4)
+    head = random_head(shipped_shape(576, 49152, 30, draft_length=4))
     head.tree_config = TreeConfig(remain_total=8, eos_token_id=2)
     head.save_pretrained(path, dtype=torch.float16)
 

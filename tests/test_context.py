@@ -12,7 +12,7 @@ from dart_core.context import SOURCE_CONTEXT, SOURCE_HEAD, ContextDrafter, Conte
 from dart_core.reference import DictTrie, reference_context_paths, reference_merged_tree
 from dart_core.tree import topk_draft_tokens
 
-from test_tree import check_structure, tree_as_dict
+from tree_checks import check_structure, tree_as_dict
 
 
 def random_config(r: random.Random, **extra) -> TreeConfig:

@@ -15,8 +15,9 @@ import dart_hf
 from dart_core import AcceptanceCurve, TreeConfig
 from dart_hf import DartCacheWarning, DartFallbackWarning
 from dart_hf.calibration import MachineCost
+from dart_core.acceptance import accepted_within
 from dart_hf.controller import (FIRST_PROBE_AFTER, MAX_PROBE_AFTER, WINDOW, CallPolicy, Mean, SpeedController,
-                                accepted_within, choose_tree_size, fit_line, regime_key)
+                                choose_tree_size, fit_line, regime_key)
 from hf_models import oracle_head, tiny_target
 
 controller_module = sys.modules["dart_hf.controller"]

@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from dart_bench.replay import random_head
 from dart_core import DartConfig, DartHead, NGramModel, TreeConfig
 
 TINY = dict(hidden_size=16, intermediate_size=24, num_attention_heads=4, num_key_value_heads=2, vocab_size=40,
@@ -15,14 +16,9 @@ TINY = dict(hidden_size=16, intermediate_size=24, num_attention_heads=4, num_key
             max_position_embeddings=512)
 
 
-def random_head(seed=0, **overrides):
-    torch.manual_seed(seed)
-    head = DartHead(DartConfig(**{**TINY, **overrides}))
-    with torch.no_grad():
-        for p in head.parameters():
-            p.normal_(0, 0.3)
-        head.d2t.copy_(torch.randint(0, head.config.vocab_size - head.config.draft_vocab_size,
-                                     (head.config.draft_vocab_size,)))
+def tiny_head(seed=0, **overrides):
+    """A head of the TINY shape (with `overrides`), random weights N(0, 0.3) and d2t, its own input embedding."""
+    head = random_head(DartConfig(**{**TINY, **overrides}), std=0.3, seed=seed)
     head.set_input_embeddings(torch.nn.Embedding(head.config.vocab_size, head.config.hidden_size))
     return head
 
@@ -83,7 +79,7 @@ def reference_logits(weights, cfg, aux, ids, emb):
 
 
 def test_forward_matches_loop_reference():
-    head = random_head(1)
+    head = tiny_head(1)
     torch.manual_seed(2)
     aux = torch.randn(2, 5, 3 * TINY["target_hidden_size"])
     ids = torch.randint(0, TINY["vocab_size"], (2, 5))
@@ -98,7 +94,7 @@ def test_forward_matches_loop_reference():
 
 def test_single_final_norm_would_differ():
     """Guards the reference's double final norm: a single norm gives different logits for non-unit norm weights."""
-    head = random_head(3)
+    head = tiny_head(3)
     aux, ids = torch.randn(1, 4, 36), torch.randint(0, 40, (1, 4))
     out = head(aux, ids)
     with torch.no_grad():
@@ -108,7 +104,7 @@ def test_single_final_norm_would_differ():
 
 
 def test_cache_incremental_equals_stateless_and_per_row_lengths():
-    head = random_head(4)
+    head = tiny_head(4)
     torch.manual_seed(5)
     aux, ids = torch.randn(2, 9, 36), torch.randint(0, 40, (2, 9))
     full = head(aux, ids)
@@ -133,7 +129,7 @@ def test_cache_incremental_equals_stateless_and_per_row_lengths():
 
 
 def test_draft_to_target():
-    head = random_head(6)
+    head = tiny_head(6)
     draft = torch.tensor([[0, 5, 19]])
     assert head.draft_to_target(draft).tolist() == [[0 + int(head.d2t[0]), 5 + int(head.d2t[5]),
                                                      19 + int(head.d2t[19])]]
@@ -156,7 +152,7 @@ def write_official_dir(path, head, extra_keys=None, drop=None, config_overrides=
 
 
 def test_official_directory_loads_unchanged(tmp_path):
-    head = random_head(7)
+    head = tiny_head(7)
     write_official_dir(tmp_path, head)
     loaded = DartHead.from_pretrained(tmp_path)
     loaded.set_input_embeddings(head.get_input_embeddings())
@@ -166,7 +162,7 @@ def test_official_directory_loads_unchanged(tmp_path):
 
 
 def test_save_pretrained_roundtrip_with_tree_and_ngram(tmp_path):
-    head = random_head(8)
+    head = tiny_head(8)
     head.tree_config = TreeConfig(remain_total=30, eos_token_id=3)
     head.ngram = NGramModel.build([[1, 2, 3, 1, 2, 4]], order=3, vocab_size=40)
     head.config.target_layer_ids = [2, 5, 8]
@@ -193,7 +189,7 @@ def test_save_pretrained_roundtrip_with_tree_and_ngram(tmp_path):
     ],
 )
 def test_bad_checkpoints_fail_clearly(tmp_path, mutate, message):
-    write_official_dir(tmp_path, random_head(9), **mutate)
+    write_official_dir(tmp_path, tiny_head(9), **mutate)
     with pytest.raises(ValueError) as err:
         DartHead.from_pretrained(tmp_path)
     assert message in str(err.value)
@@ -202,7 +198,7 @@ def test_bad_checkpoints_fail_clearly(tmp_path, mutate, message):
 def test_missing_and_corrupt_files(tmp_path):
     with pytest.raises(FileNotFoundError):
         DartHead.from_pretrained(tmp_path / "nope")
-    write_official_dir(tmp_path, random_head(10))
+    write_official_dir(tmp_path, tiny_head(10))
     (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
     with pytest.raises(ValueError, match="not a readable safetensors file"):
         DartHead.from_pretrained(tmp_path)
@@ -216,7 +212,7 @@ def test_missing_and_corrupt_files(tmp_path):
 
 
 def test_bad_inputs_fail_clearly():
-    head = random_head(11)
+    head = tiny_head(11)
     with pytest.raises(ValueError, match=r"aux_hidden must be \[B, T, 36\]"):
         head(torch.randn(1, 3, 35), torch.zeros(1, 3, dtype=torch.long))
     with pytest.raises(ValueError, match="shifted_ids must be"):
@@ -239,7 +235,7 @@ def test_bad_inputs_fail_clearly():
 
 
 def test_an_embedding_carried_by_the_checkpoint_is_saved_back(tmp_path):
-    head = random_head(12)
+    head = tiny_head(12)
     table = torch.randn(TINY["vocab_size"], TINY["hidden_size"])
     write_official_dir(tmp_path / "src", head, extra_keys={"embed_tokens.weight": table})
     loaded = DartHead.from_pretrained(tmp_path / "src")

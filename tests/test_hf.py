@@ -9,8 +9,9 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 import dart_hf
-from dart_core import TreeConfig, VerifyResult, verify_tree
+from dart_core import TreeConfig
 from hf_models import oracle_head, random_head, tiny_target
+from sampling_checks import SMALL_TREE, chi_square_pvalue, exact_two_token_distribution, lossy_verify
 
 PROMPTS = [torch.tensor([[5, 17, 33, 2, 9, 41, 12]]), torch.tensor([[60, 61, 62]])]
 
@@ -185,31 +186,6 @@ def test_greedy_with_prefix_dependent_processors(processors):
 # ---- sampling: exact enumeration ----------------------------------------------------------------------------------
 
 SAMPLING_PROMPT = torch.tensor([[1, 2, 3, 4]])
-SMALL_TREE = TreeConfig(topk=4, beam_width=4, remain_total=8)
-
-
-def exact_two_token_distribution(model, prompt):
-    """p(t1, t2) = softmax(target after prompt)[t1] * softmax(target after prompt + t1)[t2], as [V, V]."""
-    vocab = model.config.vocab_size
-    with torch.no_grad():
-        p1 = torch.softmax(model(prompt).logits[0, -1].double(), -1)
-        batch = torch.cat((prompt.expand(vocab, -1), torch.arange(vocab)[:, None]), dim=1)
-        p2 = torch.softmax(model(batch).logits[:, -1].double(), -1)
-    return p1[:, None] * p2
-
-
-def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson chi-square goodness of fit over cells with expected count >= 5 (rest pooled)."""
-    n = counts.sum()
-    expected = probs * n
-    big = expected >= 5
-    obs = torch.cat((counts[big], counts[~big].sum()[None])).double()
-    exp = torch.cat((expected[big], expected[~big].sum()[None])).double()
-    keep = exp > 0
-    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
-    dof = int(keep.sum()) - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64),
-                                         torch.tensor(stat / 2.0, dtype=torch.float64)))
 
 
 def sample_pairs(model, head, draws, seed):
@@ -222,17 +198,6 @@ def sample_pairs(model, head, draws, seed):
                              dart_tree_config=SMALL_TREE)
         counts[out[0, -3], out[0, -2]] += 1
     return counts
-
-
-def lossy_verify(trees, logits, context_ids=None, logits_processor=None, do_sample=False, generator=None):
-    """A wrong verifier: when nothing was accepted, it accepts the root's first child (the head's favourite) anyway."""
-    result = verify_tree(trees, logits, context_ids, logits_processor, do_sample, generator)
-    if trees.num_nodes > 1 and int(result.accept_length[0]) == 0:
-        bonus = torch.multinomial(torch.softmax(logits[0, 1], -1), 1)
-        nodes = torch.full_like(result.accepted_nodes, -1)
-        nodes[0, :2] = torch.tensor([0, 1])
-        return VerifyResult(accepted_nodes=nodes, accept_length=torch.tensor([1]), bonus_token=bonus)
-    return result
 
 
 @pytest.mark.slow  # 3,500 generate() calls

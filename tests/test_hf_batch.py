@@ -5,34 +5,15 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedTokenizerFast, pipeline
 
 import dart_hf
-from dart_core import TreeConfig, VerifyResult, verify_tree
-from hf_models import oracle_head, random_head, tiny_target
-from test_hf import chi_square_pvalue, exact_two_token_distribution
-
-PAD = 0
-
-
-def left_padded(lengths, seed=0, vocab=96):
-    """(input_ids [B, T], attention_mask [B, T]): random prompts of `lengths`, left-padded with PAD."""
-    gen = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    ids = torch.full((len(lengths), width), PAD)
-    mask = torch.zeros(len(lengths), width, dtype=torch.long)
-    for b, n in enumerate(lengths):
-        ids[b, width - n:] = torch.randint(1, vocab, (n,), generator=gen)
-        mask[b, width - n:] = 1
-    return ids, mask
-
-
-def unpadded(row: torch.Tensor, mask_row: torch.Tensor) -> torch.Tensor:
-    """A row of generate()'s output without its left padding (the replay head's reference)."""
-    return row[int((mask_row == 0).sum()):]
+from dart_core import TreeConfig
+from hf_models import PAD, left_padded, oracle_head, random_head, random_prompts, tiny_target, unpadded
+from sampling_checks import SMALL_TREE, chi_square_pvalue, exact_two_token_distribution, lossy_verify
 
 
 @pytest.mark.parametrize("lengths", [(7, 3), (2, 9, 5), (4, 11, 1, 8, 6, 3, 10, 2)])
 def test_every_row_equals_plain_generate_on_the_same_padded_batch(lengths):
     model = dart_hf.enable(tiny_target(), False)
-    ids, mask = left_padded(lengths, seed=len(lengths))
+    ids, mask = left_padded(random_prompts(lengths, seed=len(lengths)))
     kwargs = dict(attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=PAD)
     plain = model.generate(ids, **kwargs)
     assert torch.equal(model.generate(ids, dart_head=random_head(model), **kwargs), plain)
@@ -46,7 +27,7 @@ def test_every_row_equals_plain_generate_on_the_same_padded_batch(lengths):
 
 def test_a_row_that_stops_early_is_padded_and_leaves_the_batch():
     model = dart_hf.enable(tiny_target(), False)
-    ids, mask = left_padded((6, 4, 9), seed=7)
+    ids, mask = left_padded(random_prompts((6, 4, 9), seed=7))
     full = model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=PAD)
     eos = int(full[1, ids.shape[1] + 4])  # row 1 ends at its 5th new token (or earlier)
     kwargs = dict(attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=PAD, eos_token_id=eos)
@@ -62,7 +43,7 @@ def test_a_row_that_stops_early_is_padded_and_leaves_the_batch():
 
 def test_batch_of_one_with_left_padding_equals_plain():
     model = dart_hf.enable(tiny_target(), False)
-    ids, mask = left_padded((5,), seed=3)
+    ids, mask = left_padded(random_prompts((5,), seed=3))
     ids, mask = torch.cat((torch.zeros(1, 3, dtype=torch.long), ids), 1), torch.cat((torch.zeros(1, 3).long(), mask), 1)
     plain = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=PAD)
     out = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=PAD,
@@ -72,7 +53,6 @@ def test_batch_of_one_with_left_padding_equals_plain():
 
 # ---- sampling per row ----------------------------------------------------------------------------------------
 
-SMALL_TREE = TreeConfig(topk=4, beam_width=4, remain_total=8)
 PROMPTS = (torch.tensor([[1, 2, 3, 4]]), torch.tensor([[5, 6, 7]]))
 
 
@@ -89,21 +69,6 @@ def sample_pairs_by_row(model, head, ids, mask, draws, seed):
             counts[b, out[b, -3], out[b, -2]] += 1
         accepted += sum(model.dart_stats.accepted_lengths)
     return counts, accepted
-
-
-def lossy_verify(trees, logits, context_ids=None, logits_processor=None, do_sample=False, generator=None):
-    """A wrong verifier: a row that accepted nothing accepts the root's first child (the head's favourite) anyway."""
-    result = verify_tree(trees, logits, context_ids, logits_processor, do_sample, generator)
-    if trees.num_nodes == 1:
-        return result
-    nodes, lengths, bonus = result.accepted_nodes.clone(), result.accept_length.clone(), result.bonus_token.clone()
-    for b in range(trees.batch_size):
-        if int(lengths[b]) == 0:
-            nodes[b] = -1
-            nodes[b, :2] = torch.tensor([0, 1])
-            lengths[b] = 1
-            bonus[b] = torch.multinomial(torch.softmax(logits[b, 1], -1), 1)[0]
-    return VerifyResult(nodes, lengths, bonus)
 
 
 @pytest.mark.slow  # 2,300 generate() calls
@@ -150,7 +115,7 @@ def test_text_generation_pipeline_with_batches():
 
 def test_a_stopped_row_is_padded_with_eos_when_there_is_no_pad_token():
     model = dart_hf.enable(tiny_target(), False)
-    ids, mask = left_padded((5, 8), seed=11)
+    ids, mask = left_padded(random_prompts((5, 8), seed=11))
     full = model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=PAD)
     eos = int(full[0, ids.shape[1] + 2])
     kwargs = dict(attention_mask=mask, max_new_tokens=16, do_sample=False, eos_token_id=eos)
@@ -180,7 +145,7 @@ def test_processors_see_the_batch_as_plain_generate_shows_it(case):
     """repetition_penalty in a left-padded batch raised (the processor got one row of a batch it knew as B rows); a
     processor with per-row rules applied row 0's rule to every row; prefix_allowed_tokens_fn was refused."""
     model = dart_hf.enable(tiny_target(), False)
-    ids, mask = left_padded((5, 8, 3), seed=4)
+    ids, mask = left_padded(random_prompts((5, 8, 3), seed=4))
     reference = model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=PAD)
     head = oracle_head(model, reference[1], wrong_every=4)
     kwargs = dict(attention_mask=mask, max_new_tokens=16, pad_token_id=PAD, do_sample=case.startswith("sampled"))

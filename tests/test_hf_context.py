@@ -7,7 +7,7 @@ import torch
 import dart_hf
 from dart_core import TreeConfig
 from hf_models import left_padded, random_head, tiny_target
-from test_hf import chi_square_pvalue, exact_two_token_distribution, lossy_verify
+from sampling_checks import chi_square_pvalue, exact_two_token_distribution, lossy_verify
 
 CONTEXT_TREE = TreeConfig(topk=4, beam_width=4, remain_total=12, context_draft=True, context_depth=8)
 

@@ -9,7 +9,7 @@ from transformers import TextIteratorStreamer, TextStreamer, pipeline
 import dart_hf
 from conftest import TEST_THREADS
 from dart_bench import read_prompt_rows
-from dart_bench.replay import random_head
+from dart_bench.replay import random_head, shipped_shape
 from dart_core import DartHead
 
 pytestmark = pytest.mark.slow
@@ -26,7 +26,7 @@ def smollm2():
 def head(smollm2):
     model, _ = smollm2
     cfg = model.config
-    return random_head(cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers, draft_length=4)
+    return random_head(shipped_shape(cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers, draft_length=4))
 
 
 def chat(tokenizer, text):

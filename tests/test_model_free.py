@@ -29,8 +29,8 @@ from dart_core.model_free import DEFAULT_TREE
 from dart_core.reference import DictTrie, reference_context_paths, reference_proposal_tree, reference_store_paths
 from dart_core.tree import proposal_trees
 from hf_models import left_padded, tiny_target
-from test_hf import chi_square_pvalue, exact_two_token_distribution, lossy_verify
-from test_tree import check_structure
+from sampling_checks import chi_square_pvalue, exact_two_token_distribution, lossy_verify
+from tree_checks import check_structure
 
 
 # ---- OutputStore: a list of sequences and a scan ------------------------------------------------------------------

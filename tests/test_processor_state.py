@@ -11,20 +11,10 @@ from transformers import LogitsProcessor, LogitsProcessorList, NoRepeatNGramLogi
 
 import dart_hf
 from dart_core import TreeConfig
-from hf_models import oracle_head, random_head, tiny_target
+from hf_models import PAD, left_padded, oracle_head, random_head, random_prompts, tiny_target
 
-PAD = 0
+
 TREE = TreeConfig(remain_total=8)
-
-
-def left_padded(lengths, seed=0, vocab=96):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.full((len(lengths), max(lengths)), PAD, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for r, n in enumerate(lengths):
-        ids[r, ids.shape[1] - n :] = torch.randint(2, vocab, (n,), generator=g)
-        mask[r, ids.shape[1] - n :] = 1
-    return ids, mask
 
 
 class BanArgmaxEveryOtherCall(LogitsProcessor):
@@ -61,7 +51,7 @@ class SharperTemperature(TemperatureLogitsWarper):  # a subclass of transformers
 
 def setting(batch=3):
     model = dart_hf.enable(tiny_target(), False)
-    ids, mask = left_padded((5, 8, 3, 6)[:batch], seed=4)
+    ids, mask = left_padded(random_prompts((5, 8, 3, 6)[:batch], seed=4, low=2))
     kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=PAD)
     return model, ids, kwargs
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from dart_sglang.sampling import Penalties, node_penalties, path_tokens, tree_parents
+from sampling_checks import chi_square_pvalue
 from sglang_env import import_sglang
 
 # one tree of Q = 6 nodes: the root, children 1 and 2, node 3 under 1, nodes 4 and 5 under 3
@@ -112,16 +113,6 @@ def reference_probs(token: int, temperature: float, top_p: float) -> torch.Tenso
     out = torch.zeros_like(p)
     out[idx[keep]] = sorted_p[keep]
     return out / out.sum()
-
-
-def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    from scipy.stats import chisquare
-
-    keep = probs > 0
-    assert counts[~keep].sum() == 0, "a token outside the support was emitted"
-    observed = counts[keep].double()
-    expected = probs[keep].double() / probs[keep].double().sum() * observed.sum()
-    return float(chisquare(observed.numpy(), expected.numpy()).pvalue)
 
 
 @pytest.fixture

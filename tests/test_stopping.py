@@ -10,9 +10,8 @@ from transformers import EosTokenCriteria, MaxLengthCriteria, StoppingCriteria, 
 
 import dart_hf
 from dart_hf.stopping import Stopper
-from hf_models import char_tokenizer, oracle_head, random_head, tiny_target
-from test_hf_batch import PAD, SMALL_TREE, chi_square_pvalue, exact_two_token_distribution, left_padded, \
-    lossy_verify, unpadded
+from hf_models import PAD, char_tokenizer, left_padded, oracle_head, random_head, random_prompts, tiny_target, unpadded
+from sampling_checks import SMALL_TREE, chi_square_pvalue, exact_two_token_distribution, lossy_verify
 
 
 class Recorder(StoppingCriteria):
@@ -128,7 +127,7 @@ def test_host_decisions_equal_calling_the_criteria(seed):
 def test_a_stateful_batch_criterion_gets_plains_calls(lengths):
     # the harness's case: no EOS id, a per-row done tracker answering one bool for the batch, a left-padded batch
     model = dart_hf.enable(tiny_target(), False)
-    ids, mask = left_padded(lengths, seed=len(lengths))
+    ids, mask = left_padded(random_prompts(lengths, seed=len(lengths)))
     free = model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=PAD)
     stop_token = int(free[0, ids.shape[1] + 3])  # row 0 produces it at its 4th new token
     outputs, records = [], []
@@ -148,7 +147,7 @@ def test_a_stateful_batch_criterion_gets_plains_calls(lengths):
 
 def test_rows_that_finish_first_and_last_with_and_without_an_eos_criterion():
     model = dart_hf.enable(tiny_target(), False)
-    ids, mask = left_padded((5, 8, 3), seed=4)
+    ids, mask = left_padded(random_prompts((5, 8, 3), seed=4))
     free = model.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=PAD)
     never = int(free.max()) + 1  # an EOS id no row produces: an EOS criterion exists, finished rows get padding
     for eos in (None, never):
@@ -194,7 +193,7 @@ def test_stop_strings_at_batch_size_above_one(eos):
     vocab = 96
     model = dart_hf.enable(tiny_target(vocab=vocab), False)
     tokenizer = char_tokenizer()
-    ids, mask = left_padded((4, 7, 2), seed=9, vocab=vocab)
+    ids, mask = left_padded(random_prompts((4, 7, 2), seed=9, vocab=vocab))
     free = model.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=PAD)
     stop = tokenizer.decode(free[1, ids.shape[1] + 3 : ids.shape[1] + 5])  # two words row 1 produces
     kwargs = dict(attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=PAD, stop_strings=[stop],

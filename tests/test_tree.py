@@ -9,10 +9,7 @@ import torch
 from dart_core import DraftTree, DraftTreeBatch, NGramModel, TreeConfig, build_draft_tree, build_draft_trees
 from dart_core.reference import DictTrie, reference_tree
 from dart_core.tree import topk_draft_tokens
-
-
-def tree_as_dict(tree: DraftTree):
-    return {path: float(s) for path, s in zip(tree.paths(), tree.scores[1:].tolist())}
+from tree_checks import check_structure, tree_as_dict
 
 
 def random_inputs(rng, levels, k, vocab, sharp=1.0):
@@ -40,19 +37,6 @@ def test_matches_reference_on_random_inputs(seed):
     for path, score in ref.items():
         assert got[path] == pytest.approx(score, rel=1e-6, abs=1e-6)
     check_structure(tree, context[-1])
-
-
-def check_structure(tree: DraftTree, root_token):
-    """Node 0 is the root; parents precede children; depths follow parents; the node set is prefix-closed."""
-    assert int(tree.tokens[0]) == root_token and int(tree.parents[0]) == -1 and int(tree.depths[0]) == 0
-    parents, depths = tree.parents.tolist(), tree.depths.tolist()
-    for i in range(1, tree.num_nodes):
-        assert 0 <= parents[i] < i
-        assert depths[i] == depths[parents[i]] + 1
-    paths = set(tree.paths())
-    assert len(paths) == tree.num_nodes - 1
-    assert all(p[:-1] in paths or len(p) == 1 for p in paths)
-    assert (tree.scores[1:] <= tree.scores[tree.parents[1:]]).all()
 
 
 def test_hand_worked_two_levels():
