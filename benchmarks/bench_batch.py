@@ -4,11 +4,11 @@
     python benchmarks/bench_batch.py --batch-sizes 1,2 --prompts 2 --max-new-tokens 8     # a quick check
 
 Greedy, the first `--prompts` MT-Bench first turns (chat template, left-padded as a tokenizer pads a decoder-only
-batch) from the shipped MT-Bench set, the shipped head (tree size: the one chosen for this machine, `dart_hf.tree_choice`).
-For each batch size B the prompts are split into consecutive groups of B; each group runs plain `generate()` and
-`generate(dart_head=...)` back to back, `--repeats` times alternating. tokens/s counts every row's new tokens up to
-its stop (padding excluded) over the call's wall time; the speedup is the median over repeats of DART's tokens/s
-over plain's, in this run. Identity compares the whole padded output tensors.
+batch) from the shipped MT-Bench set, the shipped head (tree size: `dart_bench.decoding_tree`, the best by what calls
+measured, else the head's own). For each batch size B the prompts are split into consecutive groups of B; each group
+runs plain `generate()` and `generate(dart_head=...)` back to back, `--repeats` times alternating. tokens/s counts
+every row's new tokens up to its stop (padding excluded) over the call's wall time; the speedup is the median over
+repeats of DART's tokens/s over plain's, in this run. Identity compares the whole padded output tensors.
 """
 
 from __future__ import annotations

@@ -3,13 +3,13 @@
     python benchmarks/bench_call_cost.py --json benchmarks/results/call_cost.json
     python benchmarks/bench_call_cost.py --prompt-tokens 50 --new-tokens 1,4 --repeats 1     # a quick check
 
-SmolLM2-135M-Instruct and the shipped head (tree size: the one chosen for this machine, `dart_hf.tree_choice`),
-greedy, batch 1. Prompts are GSM8K-style few-shot harness prompts ("Question: ...\\nAnswer: ..." shots from
-the shipped GSM8K slice, then a question) cut to `--prompt-tokens` tokens. For each prompt length and each output length n
-(`min_new_tokens` = `max_new_tokens` = n, so both decode exactly n tokens), plain and DART calls alternate
-`--repeats` times after one warm-up each; the ratio is plain's median wall time over DART's. DART's per-call phases
-(median ms, from `DartStats`): set-up (checks and preparation), prefill (the target on the prompt), first draft (the
-head's pass over the prompt rows and the first tree search), and the rest of the call's wall time (decoding, and
+SmolLM2-135M-Instruct and the shipped head (tree size: `dart_bench.decoding_tree`, the best by what calls measured,
+else the head's own), greedy, batch 1. Prompts are GSM8K-style few-shot harness prompts ("Question: ...\\nAnswer: ..."
+shots from the shipped GSM8K slice, then a question) cut to `--prompt-tokens` tokens. For each prompt length and each
+output length n (`min_new_tokens` = `max_new_tokens` = n, so both decode exactly n tokens), plain and DART calls
+alternate `--repeats` times after one warm-up each; the ratio is plain's median wall time over DART's. DART's per-call
+phases (median ms, from `DartStats`): set-up (checks and preparation), prefill (the target on the prompt), first draft
+(the head's pass over the prompt rows and the first tree search), and the rest of the call's wall time (decoding, and
 generate()'s own preparation).
 """
 
@@ -22,7 +22,7 @@ import sys
 import torch
 
 import dart_hf
-from dart_bench import gsm8k_few_shot, interleave, read_prompt_rows, script_parser, write_results
+from dart_bench import decoding_tree, gsm8k_few_shot, interleave, read_prompt_rows, script_parser, write_results
 
 
 def harness_prompt(tokenizer, tokens: int) -> torch.Tensor:
@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     model, tokenizer, head = dart_hf.load_default()
-    tree = dart_hf.tree_choice(model, head).tree_config
+    tree = decoding_tree(model, head)
     if args.remain_total is not None:
         tree = dataclasses.replace(tree, remain_total=args.remain_total)
     results = {"threads": args.threads, "repeats": args.repeats, "tree": str(tree), "rows": []}

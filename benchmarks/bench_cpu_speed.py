@@ -5,8 +5,8 @@ step's tree chosen by `dart_hf.controller`) in float32 and bfloat16, in one run.
 
 SmolLM2-135M-Instruct and the shipped head, greedy, batch 1, the first `--per-set` prompts of each shipped set
 (MT-Bench first turns, HumanEval prompts, GSM8K questions; chat template). For each dtype the model is cast, the head
-attached with `dart_hf.enable(model, head)` (no calibration command run before: its first call measures this
-machine's cost, unless cached in `$DART_SPEC_CACHE`) and each prompt runs plain, prompt lookup
+attached with `dart_hf.enable(model, head)` (no calibration command run before: the controller learns from the
+calls' own steps) and each prompt runs plain, prompt lookup
 (`prompt_lookup_num_tokens=10`) and DART back to back, after one warm-up call of each. Per method and dtype: tokens/s
 summed over the prompts and its ratio to plain's of the same dtype, median over `--repeats`; and per prompt the first
 new token where the method's output leaves plain's in the same dtype (None: identical). float32 outputs must be
@@ -38,12 +38,12 @@ def run_dtype(dtype: str, prompts: list[torch.Tensor], max_new_tokens: int, repe
     """One dtype: the head attached, every prompt through every method `repeats` times (methods back to back)."""
     model, _, head = dart_hf.load_default(target_dtype=DTYPES[dtype])
     dart_hf.enable(model, head)
-    choice, first_call_s = timed(tree_choice, model, head)  # what the first DART call does (measured unless cached)
     common = dict(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False)
     with warnings.catch_warnings(record=True) as fallbacks:
         warnings.simplefilter("always")
-        for kwargs in METHODS.values():  # warm-up
-            model.generate(prompts[0], attention_mask=torch.ones_like(prompts[0]), **common, **kwargs)
+        warm_up = {method: timed(model.generate, prompts[0], attention_mask=torch.ones_like(prompts[0]), **common,
+                                 **kwargs)[1] for method, kwargs in METHODS.items()}
+        first_call_s = warm_up["dart"]  # the process's first DART call (its steps the controller's first estimates)
         clock = Clock()  # (method, repeat) -> the seconds of each prompt
         outputs, taus = {m: [] for m in METHODS}, []
         for r in range(repeats):
@@ -55,6 +55,7 @@ def run_dtype(dtype: str, prompts: list[torch.Tensor], max_new_tokens: int, repe
                         outputs[method].append(out[0, ids.shape[1]:])
                         if method == "dart" and model.dart_stats is not None:
                             taus.append(model.dart_stats.tau)
+    choice = tree_choice(model, head)  # the best tree by what the calls measured
     tokens = max_new_tokens * len(prompts)
     seconds = {m: [clock.total((m, r)) for r in range(repeats)] for m in METHODS}
     rate = {m: statistics.median(tokens / s for s in seconds[m]) for m in METHODS}

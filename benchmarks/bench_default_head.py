@@ -5,9 +5,9 @@
     python benchmarks/bench_default_head.py --head runs/head --remain-total 8 ...                   # another head
 
 Greedy, batch 1, `--max-new-tokens` (128) per prompt, MT-Bench first turns and the first HumanEval prompts (chat
-template) from the sets shipped in dart_bench/data. For each prompt plain `generate()` and DART run back to back on the same machine;
-tokens/s are summed per set and the speedup is the ratio of the two within this run. The tree size is the one chosen
-for this machine (`dart_hf.tree_choice`), or `--remain-total`.
+template) from the sets shipped in dart_bench/data. For each prompt plain `generate()` and DART run back to back on
+the same machine; tokens/s are summed per set and the speedup is the ratio of the two within this run. The tree size
+is the one chosen by what calls measured (`dart_bench.decoding_tree`; else the head's own), or `--remain-total`.
 
 `--kernel-control` adds a third run per prompt: plain `generate()` whose one-row linear products are computed as a
 two-row `W @ x.T` product (the row twice, one result kept) - the few-row kernel DART's verify step uses

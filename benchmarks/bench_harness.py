@@ -3,13 +3,13 @@
     python benchmarks/bench_harness.py --json benchmarks/results/harness.json
     python benchmarks/bench_harness.py --questions 4 --batch-sizes 1 --shots 0     # a quick check
 
-SmolLM2-135M-Instruct and the shipped head (tree size: the one chosen for this machine, `dart_hf.tree_choice`),
-through `lm_eval.models.huggingface.HFLM(pretrained=model, batch_size=B).generate_until` with GSM8K-style requests:
-`--shots` solved GSM8K training problems ("Question: ...\\nAnswer: ...") then a question, until = ["Question:",
-"\\n\\n", "<|im_end|>"], `--max-gen-toks` 96, greedy, as the harness's GSM8K task asks. For each shot count and batch
-size, plain HFLM (the model without a head) and HFLM on a copy of it with the head attached (`dart_hf.enable(copy,
-head)`) alternate `--repeats` times over the same requests; the speedup is plain's median wall time over DART's, and
-the continuations must be identical (exit status 1 otherwise).
+SmolLM2-135M-Instruct and the shipped head (tree size: `dart_bench.decoding_tree`, the best by what calls measured,
+else the head's own), through `lm_eval.models.huggingface.HFLM(pretrained=model, batch_size=B).generate_until` with
+GSM8K-style requests: `--shots` solved GSM8K training problems ("Question: ...\\nAnswer: ...") then a question, until
+= ["Question:", "\\n\\n", "<|im_end|>"], `--max-gen-toks` 96, greedy, as the harness's GSM8K task asks. For each shot
+count and batch size, plain HFLM (the model without a head) and HFLM on a copy of it with the head attached
+(`dart_hf.enable(copy, head)`) alternate `--repeats` times over the same requests; the speedup is plain's median wall
+time over DART's, and the continuations must be identical (exit status 1 otherwise).
 """
 
 from __future__ import annotations
