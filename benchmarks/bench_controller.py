@@ -50,9 +50,16 @@ def new_tokens(out: torch.Tensor, width: int, pad: int) -> int:
     return int((out[:, width:] != pad).sum())
 
 
+_CACHE: list[tempfile.TemporaryDirectory] = []  # the current cell's cache directory (each holds a converted SmolLM2)
+
+
 def fresh(head_factory=None):
-    """A new process's state: an empty cache directory, SmolLM2 and the shipped head (or `head_factory(model)`)."""
-    os.environ["DART_SPEC_CACHE"] = tempfile.mkdtemp(prefix="dart-bench-controller-")
+    """A new process's state: an empty cache directory (the previous cell's removed), SmolLM2 and the shipped head
+    (or `head_factory(model)`)."""
+    if _CACHE:
+        _CACHE.pop().cleanup()
+    _CACHE.append(tempfile.TemporaryDirectory(prefix="dart-bench-controller-"))
+    os.environ["DART_SPEC_CACHE"] = _CACHE[-1].name
     model, tokenizer, head = dart_hf.load_default()
     if head_factory is not None:
         head = head_factory(model)

@@ -81,10 +81,12 @@ def _session(spec: dict) -> dict:
 
 
 def run_session(spec: dict, busy: bool) -> dict:
-    """`_session(spec)` in a fresh process with an empty cache (beside one busy process if `busy`)."""
-    env = dict(os.environ, DART_SPEC_CACHE=tempfile.mkdtemp(prefix="dart-bench-first-"),
-               PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]))
-    with busy_cores(1 if busy else 0):
+    """`_session(spec)` in a fresh process with an empty cache, removed afterwards (beside one busy process if
+    `busy`)."""
+    with tempfile.TemporaryDirectory(prefix="dart-bench-first-") as cache, busy_cores(1 if busy else 0):
+        root = str(Path(__file__).resolve().parents[1])
+        env = dict(os.environ, DART_SPEC_CACHE=cache,
+                   PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
         done = subprocess.run([sys.executable, __file__, "--session", json.dumps(spec)], env=env, text=True,
                               capture_output=True)
     line = next((x for x in reversed(done.stdout.splitlines()) if x.startswith(MARK)), None)
