@@ -14,7 +14,7 @@ from dart_core import DartHead, Eagle3Head
 from dart_core.eagle3 import select_draft_tree
 from dart_train.trainer import train
 from hf_models import random_head, tiny_target
-from test_train import _config
+from train_configs import tiny_train_config
 
 
 def _eagle3(target, draft_length=4, draft_vocab=None, seed=1) -> Eagle3Head:
@@ -210,7 +210,7 @@ def test_save_load_round_trip_and_refusals(tmp_path):
 
 def test_trainer_eagle3_mode_learns_and_starts_from_a_dart_head(tiny_run, tmp_path):
     root, target = tiny_run
-    cfg = _config(root, tmp_path / "e3", mode="eagle3", steps=40, lr=1e-2, warmup_steps=4, eval_every=40)
+    cfg = tiny_train_config(root, tmp_path / "e3", mode="eagle3", steps=40, lr=1e-2, warmup_steps=4, eval_every=40)
     summary = train(cfg, model=target)
     losses = summary["losses"]
     assert np.mean(losses[-5:]) < 0.8 * np.mean(losses[:3])
@@ -221,7 +221,7 @@ def test_trainer_eagle3_mode_learns_and_starts_from_a_dart_head(tiny_run, tmp_pa
 
     dart = random_head(target, draft_length=3, draft_vocab=48)
     dart.save_pretrained(tmp_path / "dart-head")
-    warm = Trainer(_config(root, tmp_path / "warm", mode="eagle3", init_from=str(tmp_path / "dart-head")),
+    warm = Trainer(tiny_train_config(root, tmp_path / "warm", mode="eagle3", init_from=str(tmp_path / "dart-head")),
                    model=target).head.state_dict()
     assert torch.equal(warm["fc.weight"], dart.state_dict()["fc.weight"]) and "midlayer.mask_rep" not in warm
 

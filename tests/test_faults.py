@@ -83,7 +83,7 @@ PROTECTED_INPUTS = [
 def test_no_command_writes_over_or_into_a_path_it_reads(tmp_path, capsys, argv, victim, inside):
     """`convert official SRC T --target T --force` once replaced the target's weights with the head: every path any
     command reads is kept from being its destination, or holding it, by one rule before the command runs."""
-    from test_converters import write_official_head, write_target
+    from official_heads import write_official_head, write_target
 
     paths = {"head": tmp_path / "head", "target": tmp_path / "target", "data": tmp_path / "data",
              "prompts": tmp_path / "prompts.jsonl"}
@@ -113,7 +113,7 @@ def _kept(path):
 
 
 def test_a_converter_never_deletes_a_source_or_sibling_named_like_its_old_copy(tmp_path, capsys):
-    from test_converters import write_official_head, write_target
+    from official_heads import write_official_head, write_target
 
     src = tmp_path / "d" / "x.old"  # the source is named DST.old
     write_official_head(src)

@@ -22,6 +22,7 @@ from dart_train.loss import TrainingForward, anchor_range, choose_anchors, dart_
 from dart_train.trainer import TrainConfig, Trainer, heldout_mask, lr_factor, split_windows, train
 from dart_train.vocab import build_draft_vocab, count_tokens, draft_vocab_buffers, select_draft_tokens
 from hf_models import random_head, tiny_target, turn_writer
+from train_configs import tiny_train_config
 
 torch.set_num_threads(1)
 
@@ -218,18 +219,9 @@ def test_split_windows_and_heldout_split():
 
 
 # ---- the trainer ----------------------------------------------------------------------------------------------------
-def _config(root, out, **kw) -> TrainConfig:
-    base = dict(target=str(root / "target"), data=[str(root / "data")], out=str(out), draft_length=3,
-                draft_vocab_size=64, seq_len=32, batch_size=4, anchors_per_seq=8, lr=3e-3, warmup_steps=2, steps=6,
-                eval_every=1000, checkpoint_every=1000, tau_prompts=0, heldout_fraction=0.1, progress=False,
-                intermediate_size=64, head_precision="float32")
-    base.update(kw)
-    return TrainConfig(**base)
-
-
 def test_training_loss_decreases(tiny_run, tmp_path):
     root, target = tiny_run
-    cfg = _config(root, tmp_path / "out", steps=60, lr=1e-2, warmup_steps=4, eval_every=30, tau_prompts=2,
+    cfg = tiny_train_config(root, tmp_path / "out", steps=60, lr=1e-2, warmup_steps=4, eval_every=30, tau_prompts=2,
                   tau_max_new_tokens=12)
     eos = target.generation_config.eos_token_id
     target.generation_config.eos_token_id = 2
@@ -254,12 +246,12 @@ def test_training_loss_decreases(tiny_run, tmp_path):
 
 def test_resume_reproduces_an_uninterrupted_run(tiny_run, tmp_path):
     root, target = tiny_run
-    straight = Trainer(_config(root, tmp_path / "a"), model=target)
+    straight = Trainer(tiny_train_config(root, tmp_path / "a"), model=target)
     straight.run()
-    first = Trainer(_config(root, tmp_path / "b", stop_at=3), model=target)
+    first = Trainer(tiny_train_config(root, tmp_path / "b", stop_at=3), model=target)
     assert first.run()["step"] == 3
     assert not (tmp_path / "b" / "head").exists() and (tmp_path / "b" / "checkpoint-latest").is_dir()
-    resumed = Trainer(_config(root, tmp_path / "b", resume=True), model=target)
+    resumed = Trainer(tiny_train_config(root, tmp_path / "b", resume=True), model=target)
     assert resumed.start_step == 3
     resumed.run()
     logged = [json.loads(line)["step"] for line in (tmp_path / "b" / "train.jsonl").read_text().splitlines()]
@@ -269,7 +261,7 @@ def test_resume_reproduces_an_uninterrupted_run(tiny_run, tmp_path):
     sa, sb = straight.optimizer.state_dict()["state"], resumed.optimizer.state_dict()["state"]
     assert all(torch.equal(sa[i]["exp_avg_sq"], sb[i]["exp_avg_sq"]) for i in sa)
     with pytest.raises(ValueError, match="seq_len"):
-        Trainer(_config(root, tmp_path / "b", resume=True, seq_len=16), model=target)
+        Trainer(tiny_train_config(root, tmp_path / "b", resume=True, seq_len=16), model=target)
 
 
 @pytest.mark.parametrize("bf16_time,want", [(0.5, "bfloat16"), (0.95, "float32")])
@@ -290,21 +282,21 @@ def test_the_head_precision_is_measured_kept_on_resume_and_logged(tiny_run, tmp_
     with monkeypatch.context() as patch:
         patch.setattr("dart_runtime.timing.now", fake_clock)  # the one clock
         patch.setattr(TrainingForward, "forward", forward)
-        trainer = Trainer(_config(root, tmp_path / "p", head_precision=None, stop_at=2), model=target)
+        trainer = Trainer(tiny_train_config(root, tmp_path / "p", head_precision=None, stop_at=2), model=target)
     assert trainer.head_precision == want and (trainer.autocast is not None) == (want == "bfloat16")
     trainer.run()
     logged = [json.loads(line) for line in (tmp_path / "p" / "train.jsonl").read_text().splitlines()]
     assert logged[-1]["head_precision"] == want
-    resumed = Trainer(_config(root, tmp_path / "p", head_precision=None, resume=True), model=target)
+    resumed = Trainer(tiny_train_config(root, tmp_path / "p", head_precision=None, resume=True), model=target)
     assert resumed.head_precision == want  # the checkpoint's, not measured again
     with pytest.raises(ValueError, match="head_precision must be"):
-        _config(root, tmp_path / "q", head_precision="int8").validate()
+        tiny_train_config(root, tmp_path / "q", head_precision="int8").validate()
 
 
 def test_every_finished_epoch_leaves_a_head_of_its_own(tiny_run, tmp_path):
     root, target = tiny_run
-    per_epoch = Trainer(_config(root, tmp_path / "probe"), model=target)._batches_per_epoch
-    Trainer(_config(root, tmp_path / "e", steps=2 * per_epoch + 1), model=target).run()
+    per_epoch = Trainer(tiny_train_config(root, tmp_path / "probe"), model=target)._batches_per_epoch
+    Trainer(tiny_train_config(root, tmp_path / "e", steps=2 * per_epoch + 1), model=target).run()
     epochs = sorted(p.name for p in (tmp_path / "e").glob("head-epoch-*"))
     assert epochs == ["head-epoch-1", "head-epoch-2"]
     assert DartHead.from_pretrained(tmp_path / "e" / epochs[-1]).config.draft_length == 3
@@ -457,7 +449,7 @@ def _poison_gradients_at(trainer, steps: set[int]):
 
 def test_a_non_finite_step_changes_neither_weights_nor_optimizer_state(tiny_run, tmp_path):
     root, target = tiny_run
-    trainer = Trainer(_config(root, tmp_path / "skip", steps=4, log_every=1), model=target)
+    trainer = Trainer(tiny_train_config(root, tmp_path / "skip", steps=4, log_every=1), model=target)
     _poison_gradients_at(trainer, {2})
     trainer.train_step(0)
     trainer.train_step(1)
@@ -473,7 +465,7 @@ def test_a_non_finite_step_changes_neither_weights_nor_optimizer_state(tiny_run,
 
 def test_the_skip_count_is_logged_and_the_run_finishes(tiny_run, tmp_path):
     root, target = tiny_run
-    trainer = Trainer(_config(root, tmp_path / "log", steps=6, log_every=3), model=target)
+    trainer = Trainer(tiny_train_config(root, tmp_path / "log", steps=6, log_every=3), model=target)
     _poison_gradients_at(trainer, {1, 4})
     summary = trainer.run()
     assert summary["skipped_steps"] == 2 and "head" in summary
@@ -486,7 +478,7 @@ def test_consecutive_non_finite_steps_stop_with_a_clear_error(tiny_run, tmp_path
     from dart_train.trainer import TrainingDiverged
 
     root, target = tiny_run
-    trainer = Trainer(_config(root, tmp_path / "nan", steps=10, max_skipped_steps=3), model=target)
+    trainer = Trainer(tiny_train_config(root, tmp_path / "nan", steps=10, max_skipped_steps=3), model=target)
     _poison_gradients_at(trainer, set(range(2, 10)))
     with pytest.raises(TrainingDiverged, match=r"3 consecutive steps \(up to step 5\).*lower --lr"):
         trainer.run()
@@ -506,7 +498,7 @@ def test_fit_steps():
 def test_time_budget_fits_the_schedule_and_ends_with_a_saved_head(tiny_run, tmp_path):
     root, target = tiny_run
     budget = 5.0
-    cfg = _config(root, tmp_path / "budget", steps=3, time_budget=budget, eval_every=200, log_every=50)
+    cfg = tiny_train_config(root, tmp_path / "budget", steps=3, time_budget=budget, eval_every=200, log_every=50)
     t0 = time.perf_counter()
     summary = train(cfg, model=target)
     took = time.perf_counter() - t0
@@ -518,15 +510,15 @@ def test_time_budget_fits_the_schedule_and_ends_with_a_saved_head(tiny_run, tmp_
     assert "head" in summary and (tmp_path / "budget" / "head" / "model.safetensors").is_file()
     assert took < budget + 2.0, took
     with pytest.raises(ValueError, match="time_budget"):
-        _config(root, tmp_path / "x", time_budget=0).validate()
+        tiny_train_config(root, tmp_path / "x", time_budget=0).validate()
 
 
 def test_a_budgeted_resume_keeps_the_checkpoint_schedule_until_it_fits_its_own(tiny_run, tmp_path):
     # the steps a resumed budget times before fitting once ran at the peak rate, even after a finished schedule
     root, target = tiny_run
     out = tmp_path / "run"
-    train(_config(root, out, steps=8, log_every=1), model=target)  # the cosine schedule ends at step 8
-    train(_config(root, out, steps=8, log_every=1, resume=True, time_budget=4.0), model=target)
+    train(tiny_train_config(root, out, steps=8, log_every=1), model=target)  # the cosine schedule ends at step 8
+    train(tiny_train_config(root, out, steps=8, log_every=1, resume=True, time_budget=4.0), model=target)
     log = [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
     fitted_at = next(r["step"] for r in log if "fitted_steps" in r)
     before_fit = [r["lr"] for r in log if 8 < r["step"] < fitted_at and "lr" in r]
@@ -649,8 +641,8 @@ def test_data_weights_repeat_a_directory_in_each_epoch_and_keep_the_held_out_spl
     reversed_ = [(t[::-1], 0) for t, _ in read_shards(root / "data")][:20]  # other content than the first directory
     write_shard(second / "shard-00000.npz", [t for t, _ in reversed_], [0] * len(reversed_))
     data = [str(root / "data"), str(second)]
-    plain = Trainer(_config(root, tmp_path / "a", data=data, heldout_fraction=0.1), model=target)
-    heavy = Trainer(_config(root, tmp_path / "b", data=data, data_weights=[1, 3], heldout_fraction=0.1),
+    plain = Trainer(tiny_train_config(root, tmp_path / "a", data=data, heldout_fraction=0.1), model=target)
+    heavy = Trainer(tiny_train_config(root, tmp_path / "b", data=data, data_weights=[1, 3], heldout_fraction=0.1),
                     model=target)
     # the windows are the same list (never copied); only the order repeats the second directory's
     assert [w.tolist() for w, _ in heavy.train_windows] == [w.tolist() for w, _ in plain.train_windows]
@@ -666,6 +658,6 @@ def test_data_weights_repeat_a_directory_in_each_epoch_and_keep_the_held_out_spl
     assert heavy._batches_per_epoch == entries // 4 and all(counts[i] <= want[i] for i in range(n))
     assert sum(want[i] - counts[i] for i in range(n)) == entries % 4  # the epoch's remainder, left out
     with pytest.raises(DartInputError, match="one weight per data directory"):
-        _config(root, tmp_path / "c", data=data, data_weights=[2]).validate()
+        tiny_train_config(root, tmp_path / "c", data=data, data_weights=[2]).validate()
     with pytest.raises(DartInputError, match="data_weights"):
-        _config(root, tmp_path / "c", data=data, data_weights=[1, 0]).validate()
+        tiny_train_config(root, tmp_path / "c", data=data, data_weights=[1, 0]).validate()

@@ -17,7 +17,7 @@ from dart_core import DartInputError
 from dart_train.data import read_shards, write_shard
 from dart_train.trainer import TrainConfig, Trainer, heldout_mask
 from hf_models import turn_writer
-from test_train import _config
+from train_configs import tiny_train_config
 
 
 def one_line(argv, capsys, *words) -> str:
@@ -130,7 +130,7 @@ def test_the_same_data_directory_twice_is_refused(tiny_run, tmp_path, capsys):
     data = str(root / "data")
     for twice in ([data, data], [data, data + "/"], [data, str(root / "." / "data")]):
         with pytest.raises(DartInputError, match="twice"):
-            _config(root, tmp_path / "o", data=twice).validate()
+            tiny_train_config(root, tmp_path / "o", data=twice).validate()
         one_line(["train", "--target", root / "target", "--out", tmp_path / "o", "--data", *twice], capsys,
                  "twice", str((root / "data").resolve()))
     assert not (tmp_path / "o").exists()
@@ -142,12 +142,13 @@ def test_copies_of_a_sequence_are_never_split_between_held_out_and_training(tiny
     root, target = tiny_run
     copy = tmp_path / "copy"
     shutil.copytree(root / "data", copy)
-    trainer = Trainer(_config(root, tmp_path / "o", data=[str(root / "data"), str(copy)], heldout_fraction=0.2),
+    trainer = Trainer(tiny_train_config(root, tmp_path / "o", data=[str(root / "data"), str(copy)],
+                                        heldout_fraction=0.2),
                       model=target)
     held = {tuple(t.tolist()) for t, _ in trainer.heldout_sequences}
     trained = {tuple(t.tolist()) for t, _ in trainer.train_sequences}
     assert held and trained and not held & trained
-    alone = Trainer(_config(root, tmp_path / "a", heldout_fraction=0.2), model=target)
+    alone = Trainer(tiny_train_config(root, tmp_path / "a", heldout_fraction=0.2), model=target)
     assert held == {tuple(t.tolist()) for t, _ in alone.heldout_sequences}  # the copy changes nothing held out
     tokens = [t for t, _ in read_shards(root / "data")]
     mask = heldout_mask(tokens + tokens[::-1], 0.2)  # order and place do not matter, content does
@@ -176,7 +177,7 @@ def test_a_data_weight_makes_no_copies_and_memory_does_not_grow_with_it(tiny_run
     def build(weights):
         def run():
             out = tmp_path / f"run-{len(list(tmp_path.glob('run-*')))}"
-            trainer = Trainer(_config(root, out, data=data, data_weights=weights), model=target)
+            trainer = Trainer(tiny_train_config(root, out, data=data, data_weights=weights), model=target)
             trainer.samples_for(0), trainer.samples_for(12345)
             trainers[weights[0]] = trainer
         return run
@@ -196,7 +197,7 @@ def test_a_data_weight_past_the_bound_is_refused(tiny_run, tmp_path, capsys):
     (tmp_path / "second").mkdir()
     data = [str(root / "data"), str(tmp_path / "second")]
     with pytest.raises(DartInputError, match="at most 10000"):
-        _config(root, tmp_path / "o", data=data, data_weights=[10**9, 1]).validate()
+        tiny_train_config(root, tmp_path / "o", data=data, data_weights=[10**9, 1]).validate()
     one_line(["train", "--target", root / "target", "--out", tmp_path / "o", "--data", *data, "--data-weights",
               str(10**9), "1"], capsys, "--data-weights must be an integer in 1..10000, got 1000000000")
 
@@ -288,5 +289,5 @@ def test_the_library_checks_the_same_numbers(writer, tmp_path):
 def test_any_seed_in_range_trains(tiny_run, tmp_path):
     # the fault: seeds the trainer derives (seed * 1_000_003 + ...) overflowed torch's 64 bits past seed ~4e9
     root, target = tiny_run
-    trainer = Trainer(_config(root, tmp_path / "o", seed=2**64 - 1, steps=1), model=target)
+    trainer = Trainer(tiny_train_config(root, tmp_path / "o", seed=2**64 - 1, steps=1), model=target)
     assert trainer.run()["step"] == 1
