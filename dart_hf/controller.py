@@ -26,7 +26,7 @@ followed within a few steps.
 The choice (`choose_tree_size`): R* = argmax over tree sizes with known tau of tau(R) / t_step(R) (ties: the smaller
 R); expected speedup over plain = tau(R*) x t_plain / t_step(R*). Small trees first: a regime's first DART steps take
 `first_size` (for a head, at most `FIRST_ROWS` rows a sequence), and a size not yet timed there is taken only up to
-`LADDER` times the rows of the largest timed one (`SpeedController.reach`), so a call climbs to a large tree through
+`LADDER` times the rows of the largest timed one (`SpeedController.tryable`), so a call climbs to a large tree through
 timed smaller ones and never pays for a large one an estimate merely extrapolated. Each step takes R*, except that
 every `EXPLORE_EVERY`-th step of a regime tries a neighbouring size (up and down in turn: a larger tree also measures
 tau above R*), and, for an attached head, a regime's first steps (until plain's cost there starts, as the median of
@@ -241,6 +241,10 @@ class Regime:
     count: int = 0  # steps seen here in this process (the exploration schedule; not saved)
     first_plain: list = dataclasses.field(default_factory=list)  # timed plain steps before `plain` has any (not saved)
 
+    def timed(self) -> dict:
+        """{tree size: Mean of its step seconds} for the sizes with a timed DART step here."""
+        return {r: m for r, m in self.steps.items() if m.weight > 0}
+
     def to_dict(self) -> dict:
         return {"plain": self.plain.to_list(), "steps": {str(r): m.to_list() for r, m in sorted(self.steps.items())},
                 "scale": self.scale.to_list(), "mode": self.mode, "probe_after": self.probe_after,
@@ -428,21 +432,20 @@ class SpeedController:
         `SHAPE_TOLERANCE`: a measurement taken under load is bent, not only scaled) and span enough verified
         rows: then the line through (rows verified, seconds) of the timed sizes (`fit_line`)."""
         regime = self.regimes[key]
-        timed = regime.steps.get(size)
-        if timed is not None and timed.weight > 0:
-            return timed.value
+        timed = regime.timed()
+        if size in timed:
+            return timed[size].value
+        points = [(key[0] * (r + 1), m.value, m.weight) for r, m in timed.items()]  # (rows verified, seconds, weight)
         prior = self.prior_step_s(key, size)
         if prior is None:  # no measured cost: the line through the timed sizes (and the plain step, until two span)
             plain = regime.plain.value
-            points = [(key[0] * (r + 1), m.value, m.weight) for r, m in regime.steps.items() if m.weight > 0]
             line = fit_line(points)
             if line is None and plain is not None:
                 line = fit_line(points + [(key[0], plain, regime.plain.weight)])
             return None if line is None else max(line[0] + line[1] * key[0] * (size + 1), 1e-9)
-        timed_sizes = {r: m for r, m in regime.steps.items() if m.weight > 0}
-        ratios = [m.value / self.prior_step_s(key, r) for r, m in timed_sizes.items()]
+        ratios = [m.value / self.prior_step_s(key, r) for r, m in timed.items()]
         if len(ratios) >= 2 and max(ratios) > SHAPE_TOLERANCE * min(ratios):
-            line = fit_line([(key[0] * (r + 1), m.value, m.weight) for r, m in timed_sizes.items()])
+            line = fit_line(points)
             if line is not None:
                 return max(line[0] + line[1] * key[0] * (size + 1), 1e-9)
         return prior * (regime.scale.value or 1.0)
@@ -452,21 +455,20 @@ class SpeedController:
         larger tree holds every smaller one: a dip is noise)."""
         return monotone({r: m.value for r, m in self.tau[sampled].items() if m.weight >= MIN_TAU_WEIGHT})
 
-    def reach(self, key: tuple[int, int]) -> int:
-        """The largest tree size regime `key` may try untimed: the start size until a DART step is timed there, then
-        up to `LADDER` times the rows of the largest size timed (small trees first)."""
-        timed = [r for r, m in self.regimes[key].steps.items() if m.weight > 0]
-        if not timed:
-            return self.start_size
-        return max(r for r in self.sizes if r + 1 <= LADDER * (max(timed) + 1))
+    def tryable(self, key: tuple[int, int]) -> list[int]:
+        """The tree sizes regime `key` may take (small trees first): those timed there, and untimed ones up to the
+        start size until a DART step is timed there, then up to `LADDER` times the rows of the largest size timed."""
+        timed = self.regimes[key].timed()
+        reach = self.start_size if not timed else LADDER * (max(timed) + 1) - 1
+        return [r for r in self.sizes if r <= reach or r in timed]
 
     def best(self, key: tuple[int, int], sampled: bool, anywhere: bool = False) -> Optional[tuple[int, list[dict]]]:
-        """(R*, rows) in regime `key` (`choose_tree_size`) over the sizes timed there or within `reach` (`anywhere`:
-        over every size), or None while no such size has both estimates."""
-        tau, timed = self.tau_of(sampled), self.regimes[key].steps
-        reach = self.max_size if anywhere else self.reach(key)
-        steps = {r: s for r in tau if (r <= reach or (r in timed and timed[r].weight > 0))
-                 and (s := self.step_s(key, r)) is not None and (finite(s) or 0.0) > 0.0}
+        """(R*, rows) in regime `key` (`choose_tree_size`) over the sizes it may take (`tryable`; `anywhere`: over
+        every size), or None while no such size has both estimates."""
+        tau = self.tau_of(sampled)
+        sizes = set(self.sizes if anywhere else self.tryable(key))
+        steps = {r: s for r in tau if r in sizes and (s := self.step_s(key, r)) is not None
+                 and (finite(s) or 0.0) > 0.0}
         if not steps:
             return None
         return choose_tree_size(tau, steps, self.plain_s(key))
@@ -570,7 +572,7 @@ class SpeedController:
     def choice(self, base: TreeConfig, batch_size: int = 1, context_length: int = 1,
                sampled: bool = False) -> Optional[TreeChoice]:
         """The best tree by the estimates now in that regime, wherever it lies (a call reaches it through smaller
-        trees first, `reach`); None while no size has both estimates."""
+        trees first, `tryable`); None while no size has both estimates."""
         with self.lock:
             key = regime_key(batch_size, context_length)
             self.regime(batch_size, context_length)
@@ -784,10 +786,8 @@ class CallPolicy:
             return size
 
     def _neighbour(self, key: tuple[int, int], size: int, up: bool) -> int:
-        """The size next to `size` (up or down) among those the regime may try (`SpeedController.reach`)."""
-        ctrl = self.controller
-        timed = ctrl.regimes[key].steps
-        sizes = [r for r in ctrl.sizes if r <= ctrl.reach(key) or (r in timed and timed[r].weight > 0)]
+        """The size next to `size` (up or down) among those the regime may take (`SpeedController.tryable`)."""
+        sizes = self.controller.tryable(key)
         i = sizes.index(size) if size in sizes else 0
         j = i + 1 if (up and i + 1 < len(sizes)) or i == 0 else i - 1
         return sizes[min(max(j, 0), len(sizes) - 1)]
@@ -916,7 +916,7 @@ def controller_for(model, head: DartHead, context: Optional[bool] = None, store:
 def first_size(head: DartHead, base: TreeConfig, sizes: list[int]) -> int:
     """The tree a regime's first DART steps verify: for a drafter that fills its trees (`Drafter.fills_tree`: a larger
     tree is a larger forward) the largest of `sizes` within `FIRST_ROWS` rows a sequence, and larger ones only as
-    timed steps reach them (`SpeedController.reach`); for one whose trees hold only what it proposes, its budget
+    timed steps reach them (`SpeedController.tryable`); for one whose trees hold only what it proposes, its budget
     (`base.remain_total`)."""
     if not head.fills_tree:
         return base.remain_total
