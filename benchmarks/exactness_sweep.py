@@ -7,10 +7,10 @@ must never happen.
     python benchmarks/exactness_sweep.py --classes masks,processors        # some classes only
 
 Classes:
-  masks       every sliding-window architecture of transformers' causal LMs that builds tiny (`tests/hf_models.py`),
+  masks       every sliding-window architecture of transformers' causal LMs that builds tiny (`tests/helpers/hf_models.py`),
               sliding_window 1, 2, 3, 8, 64, layer_types as configured / all full / all sliding / alternating: the
               positions every attention layer sees in plain one-token steps against one DART verify forward over
-              the same tokens (`tests/attention_views.py`), logits included. A config plain generate() cannot run
+              the same tokens (`tests/helpers/attention_views.py`), logits included. A config plain generate() cannot run
               counts as correct when DART refuses it too.
   generate    the issue's 11 architectures, the same windows, layer_types as configured / all full / alternating, a
               prompt and a left-padded batch of 2: greedy DART (a head drafting plain's continuation) against plain.
@@ -88,8 +88,8 @@ def overrides(window, kind):
 
 
 def sweep_masks(archs) -> list[dict]:
-    from attention_views import dart_views, differences, padded_prompt, plain_views
-    from hf_models import _tiny, tiny_causal_lm
+    from helpers.attention_views import dart_views, differences, padded_prompt, plain_views
+    from helpers.hf_models import _tiny, tiny_causal_lm
 
     rows = []
     ids, mask = padded_prompt()
@@ -134,7 +134,7 @@ def sweep_masks(archs) -> list[dict]:
 
 
 def _generate_case(model, ids, mask):
-    from hf_models import oracle_head
+    from helpers.hf_models import oracle_head
 
     kwargs = dict(max_new_tokens=12, do_sample=False)
     if mask is not None:
@@ -160,8 +160,8 @@ def _generate_case(model, ids, mask):
 
 
 def sweep_generate() -> list[dict]:
-    from attention_views import padded_prompt
-    from hf_models import _tiny, tiny_causal_lm
+    from helpers.attention_views import padded_prompt
+    from helpers.hf_models import _tiny, tiny_causal_lm
 
     rows = []
     prompt = torch.tensor([[5, 17, 33, 2, 9, 40, 41, 7, 8]])
@@ -190,7 +190,7 @@ def sweep_generate() -> list[dict]:
 
 def sweep_processors() -> list[dict]:
     from transformers import LogitsProcessorList, NoRepeatNGramLogitsProcessor
-    from hf_models import oracle_head, tiny_target
+    from helpers.hf_models import oracle_head, tiny_target
     import test_processor_state as t
 
     cases = {
@@ -240,7 +240,7 @@ def sweep_processors() -> list[dict]:
 
 
 def sweep_prefix_fn() -> list[dict]:
-    from hf_models import oracle_head
+    from helpers.hf_models import oracle_head
     import test_processor_state as t
 
     rows = []
@@ -265,7 +265,7 @@ def sweep_links() -> list[dict]:
     from dart_cli.main import main
     import dart_train.trainer
     import dart_hf.calibration
-    from hf_models import char_tokenizer, random_head, tiny_target
+    from helpers.hf_models import char_tokenizer, random_head, tiny_target
     import test_cli_links as t
 
     real_load, real_measure = dart_train.trainer.load_target, dart_hf.calibration.measure_acceptance

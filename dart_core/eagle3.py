@@ -140,7 +140,7 @@ class Eagle3Head(DartHead):
         block_logits [B, A, D, Vd], where entry [b, a, j-1] is step j for anchor p = anchors[b, a]: the chain row of
         token x[p+1+j] (= shifted_ids[p+j]) fed the step j-1 output of the same anchor, at RoPE position p+j, seeing real
         rows <= p and the anchor's chain rows 1..j. It predicts x[p+2+j], like mask row j of a DART head, so
-        `dart_loss` applies unchanged. Equal to `Eagle3Head` inference on each prefix (tests/test_eagle3.py).
+        `dart_loss` applies unchanged. Equal to `Eagle3Head` inference on each prefix (tests/hf/test_eagle3.py).
         """
         self._require_embeddings()
         b, n = shifted_ids.shape

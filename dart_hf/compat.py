@@ -1,6 +1,6 @@
 """Every private transformers name dart-spec uses, in one place, each with why (transformers 5.23).
 
-`tests/test_compat.py` exercises each against the installed transformers: a release that renames or changes one fails
+`tests/hf/test_compat.py` exercises each against the installed transformers: a release that renames or changes one fails
 there, by name. `DartGenerationMixin` also overrides two private generate() steps (`OVERRIDDEN_METHODS`); the test
 checks their signatures.
 """

@@ -239,7 +239,7 @@ class DartWorker(eagle_v2.EAGLEWorkerV2):
     def __init__(self, server_args, gpu_id, nccl_port, target_worker):
         # EAGLEWorkerV2.__init__ is not called: it builds an EagleDraftWorker (a second load of the draft model, with
         # attention backends and CUDA graphs DART never uses). Its attributes are set here instead, attribute by
-        # attribute; tests/test_sglang.py fails when SGLang's constructor sets one this does not.
+        # attribute; tests/sglang/test_sglang.py fails when SGLang's constructor sets one this does not.
         eagle_v2.BaseSpecWorker.__init__(self)
         spec = eagle_v2.get_spec()
         self.server_args = server_args

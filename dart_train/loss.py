@@ -17,7 +17,7 @@ Training forward, one pass for a whole sequence and A anchors p_1..p_A (`DartHea
   prediction k=j for anchor p.
 
 With that mask every output equals the inference forward on the prefix (`head(aux[:, :p+1], shifted_ids[:, :p+1])`),
-which `tests/test_train.py` checks to 1e-5 (and checks that a leaky mask fails).
+which `tests/cli/test_train.py` checks to 1e-5 (and checks that a leaky mask fails).
 
 Loss (`dart_loss`): forward KL(P_k || Q_k) at each eligible prediction, where P = softmax(target logits restricted
 to the draft vocabulary, renormalised) and Q = softmax(head logits). A prediction of x[m] (m = p+2+k) is eligible

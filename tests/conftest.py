@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dart_train.data import write_shard
-from hf_models import tiny_target
+from helpers.hf_models import tiny_target
 
 
 @pytest.fixture(autouse=True, scope="session")
