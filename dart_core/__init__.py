@@ -13,7 +13,7 @@ from dart_core.model_free import ModelFreeDrafter
 from dart_core.ngram import NGramModel, draft_context_length
 from dart_core.store import OutputStore
 from dart_core.tree import DraftTree, DraftTreeBatch, build_draft_tree, build_draft_trees, topk_draft_tokens
-from dart_core.verify import VerifyResult, verify_greedy, verify_tree
+from dart_core.verify import VerifyResult, accept_chosen, verify_greedy, verify_sampled, verify_tree
 
 __all__ = [
     "AcceptanceCurve",
@@ -33,11 +33,13 @@ __all__ = [
     "OutputStore",
     "TreeConfig",
     "VerifyResult",
+    "accept_chosen",
     "build_draft_tree",
     "build_draft_trees",
     "default_target_layer_ids",
     "topk_draft_tokens",
     "verify_greedy",
+    "verify_sampled",
     "verify_tree",
 ]
 __version__ = "0.1.0"

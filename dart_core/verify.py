@@ -1,13 +1,18 @@
 """Verification of draft trees against the target model's logits (greedy and lossless sampling).
 
 The target runs one forward over a `DraftTreeBatch` and yields `logits[b, i]`: its next-token distribution after
-the path root..i of tree b. Verification walks each tree from the root, accepts a path of draft nodes and emits one
-more token (the "bonus") that the target produces after the last accepted node.
+the path root..i of tree b. Verification follows one rule for greedy decoding and sampling alike: at each visited
+node the target's token is CHOSEN (greedy: the argmax of the processed scores; sampling: one draw from the processed
+distribution, one draw per distinct token path); the walk follows the children that carry the chosen token; the
+accepted node is the deepest one reached (ties: smallest node index) and the bonus is the token chosen there. The
+accepted tokens and the bonus are then the chain of chosen tokens itself, so sampled output is a draw from the target
+(docs/DESIGN.md §2.5).
 
-* `verify_greedy` - the plain-argmax case, fully vectorised (fixed shapes, no host sync when `max_depth` is given and
-  `validate=False`), so it can run inside a CUDA graph.
+* `accept_chosen` - the walk on the device, given every node's chosen token.
+* `verify_greedy` / `verify_sampled` - the argmax / one draw at every node, then `accept_chosen`: fixed shapes and
+  no host sync when `max_depth` is given and `validate=False` (`verify_greedy` runs inside a CUDA graph).
 * `verify_tree` - the general entry point: HF-style logits processors applied per node with that node's exact
-  prefix, and lossless multi-draft sampling (recursive rejection sampling with deterministic drafts).
+  prefix, lazily at the nodes the walk visits.
 """
 
 from __future__ import annotations
@@ -22,8 +27,12 @@ from dart_core.tree import DraftTreeBatch
 # `proc(input_ids [1, T] int64, scores [1, V] float) -> scores [1, V]`, e.g. transformers' LogitsProcessorList.
 LogitsProcessor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 ContextIds = Union[torch.Tensor, Sequence[torch.Tensor]]
+# `scores_at(node, path) -> scores [V]`: a row's processed float32 scores after `node`, whose path (tokens after the
+# root) is `path`; `choose(node, path) -> token`: the target's token chosen there.
+ScoresAt = Callable[[int, list[int]], torch.Tensor]
+Choose = Callable[[int, list[int]], int]
 
-__all__ = ["VerifyResult", "verify_greedy", "verify_tree", "LogitsProcessor"]
+__all__ = ["VerifyResult", "accept_chosen", "verify_greedy", "verify_sampled", "verify_tree", "LogitsProcessor"]
 
 
 @dataclasses.dataclass
@@ -70,8 +79,21 @@ def _check_logits(trees: DraftTreeBatch, logits: torch.Tensor) -> None:
         raise ValueError("logits have an empty vocabulary dimension")
 
 
-def _check_trees(trees: DraftTreeBatch, vocab_size: int, max_depth: Optional[int] = None) -> None:
-    """Content checks of the tree batch (these read values back from the device)."""
+def _check_chosen(trees: DraftTreeBatch, chosen: torch.Tensor, ancestors: Optional[torch.Tensor]) -> None:
+    """Shape/dtype checks of `accept_chosen`'s inputs (metadata only, no device sync)."""
+    b, n = trees.tokens.shape
+    if not isinstance(chosen, torch.Tensor) or tuple(chosen.shape) != (b, n):
+        shape = tuple(chosen.shape) if isinstance(chosen, torch.Tensor) else type(chosen).__name__
+        raise ValueError(f"chosen must be a [B={b}, N={n}] tensor, got {shape}")
+    if chosen.is_floating_point() or chosen.dtype == torch.bool:
+        raise ValueError(f"chosen must hold integer token ids, got dtype {chosen.dtype}")
+    if ancestors is not None and tuple(ancestors.shape) != (b, n, n):
+        raise ValueError(f"ancestors must be [B, N, N], got {tuple(ancestors.shape)}")
+
+
+def _check_trees(trees: DraftTreeBatch, vocab_size: Optional[int], max_depth: Optional[int] = None) -> None:
+    """Content checks of the tree batch, the token range when `vocab_size` is given (these read values back from the
+    device)."""
     tokens, parents, depths, valid = trees.tokens, trees.parents, trees.depths, trees.valid
     b, n = tokens.shape
     if b == 0 or n == 0:
@@ -80,8 +102,8 @@ def _check_trees(trees: DraftTreeBatch, vocab_size: int, max_depth: Optional[int
         raise ValueError("every row of the tree batch needs a valid root at node 0")
     if n > 1 and bool((valid[:, 1:] & ~valid[:, :-1]).any()):
         raise ValueError("valid nodes must come first in each row (padding after)")
-    bad = valid & ((tokens < 0) | (tokens >= vocab_size))
-    if bool(bad.any()):
+    bad = valid & ((tokens < 0) | (tokens >= vocab_size)) if vocab_size is not None else None
+    if bad is not None and bool(bad.any()):
         row, node = (int(v) for v in torch.nonzero(bad)[0])
         raise ValueError(
             f"tree token {int(tokens[row, node])} at row {row}, node {node} is outside the vocabulary "
@@ -126,47 +148,44 @@ def _context_rows(context_ids: Optional[ContextIds], batch: int) -> Optional[lis
     return rows
 
 
-# ------------------------------------------------------------------------------------------------------- greedy
+# ------------------------------------------------------------------------------------------------------- device
 
 
-def verify_greedy(
+def accept_chosen(
     trees: DraftTreeBatch,
-    logits: torch.Tensor,
+    chosen: torch.Tensor,
     *,
     ancestors: Optional[torch.Tensor] = None,
     max_depth: Optional[int] = None,
     validate: bool = True,
 ) -> VerifyResult:
-    """Greedy verification, fully vectorised.
+    """The chosen-token walk of every tree, fully vectorised: chosen [B, N] int64 is the target's token chosen after
+    each node (greedy: its argmax; sampling: a draw).
 
-    Node j >= 1 is correct when `tokens[j] == argmax(logits[parent[j]])` (first maximum, like HF greedy). The
-    accepted node is the deepest valid node whose whole path is correct (ties in depth: smallest node index); the
-    bonus token is the argmax at that node.
+    Node j >= 1 is correct when `tokens[j] == chosen[parent[j]]`. The accepted node is the deepest valid node whose
+    whole path is correct (ties in depth: smallest node index); the bonus token is the one chosen at that node.
 
     ancestors  optional precomputed [B, N, N] bool mask (`DraftTreeBatch.ancestor_mask()`, e.g. the one built for
                the tree attention); without it path correctness comes from pointer doubling over `parents`.
     max_depth  width of `accepted_nodes` minus one; must be >= the deepest node. None: read from `trees.depths`
                (one host sync).
-    validate   check tree contents (token range, parent order, depths); this reads values back to the host.
-               With `max_depth` given and `validate=False` the function does no host sync at all.
+    validate   check tree contents (parent order, depths); this reads values back to the host. With `max_depth`
+               given and `validate=False` the function does no host sync at all.
     """
-    _check_logits(trees, logits)
-    if ancestors is not None and tuple(ancestors.shape) != (trees.batch_size, trees.num_nodes, trees.num_nodes):
-        raise ValueError(f"ancestors must be [B, N, N], got {tuple(ancestors.shape)}")
+    _check_chosen(trees, chosen, ancestors)
     if validate:
-        _check_trees(trees, logits.shape[-1], max_depth)
-    device = logits.device
+        _check_trees(trees, None, max_depth)
+    device = chosen.device
     tokens = trees.tokens.to(device)
     parents = trees.parents.to(device).clamp(min=0)  # root and padding point at the root
     depths = trees.depths.to(device)
     valid = trees.valid.to(device)
     b, n = tokens.shape
     if max_depth is None:
-        max_depth = int(torch.where(valid, depths, 0).max()) if tokens.numel() else 0
+        max_depth = _deepest(trees)
 
-    target = logits.argmax(dim=-1)  # [B, N] greedy next token after each node
     idx = torch.arange(n, device=device)
-    correct = valid & (tokens == target.gather(1, parents))
+    correct = valid & (tokens == chosen.gather(1, parents))
     correct = torch.where(idx == 0, True, correct)  # the root is on every path and always "correct"
 
     if ancestors is not None:
@@ -183,7 +202,7 @@ def verify_greedy(
     key = torch.where(path_ok, depths * n + (n - 1 - idx), -1)
     sel = key.argmax(dim=-1)  # [B]; the root always qualifies
     accept_length = depths.gather(1, sel[:, None])[:, 0]
-    bonus = target.gather(1, sel[:, None])[:, 0]
+    bonus = chosen.gather(1, sel[:, None])[:, 0]
 
     # chain[:, k] = k-th ancestor of the accepted node; column d of the path holds ancestor number length - d
     chain = [sel]
@@ -194,6 +213,80 @@ def verify_greedy(
     nodes = chain_t.gather(1, (accept_length[:, None] - d).clamp(min=0))
     accepted_nodes = torch.where(d <= accept_length[:, None], nodes, -1)
     return VerifyResult(accepted_nodes.long(), accept_length.long(), bonus.long())
+
+
+def verify_greedy(
+    trees: DraftTreeBatch,
+    logits: torch.Tensor,
+    *,
+    ancestors: Optional[torch.Tensor] = None,
+    max_depth: Optional[int] = None,
+    validate: bool = True,
+) -> VerifyResult:
+    """Greedy verification: `accept_chosen` with the argmax of `logits` [B, N, V] at every node (first maximum, like
+    HF greedy). `ancestors`, `max_depth` and `validate` (which also checks the token range) as `accept_chosen`."""
+    _check_logits(trees, logits)
+    if validate:
+        _check_trees(trees, logits.shape[-1], max_depth)
+    return accept_chosen(trees, logits.argmax(dim=-1), ancestors=ancestors, max_depth=max_depth, validate=False)
+
+
+def verify_sampled(
+    trees: DraftTreeBatch,
+    logits: torch.Tensor,
+    *,
+    generator: Optional[torch.Generator] = None,
+    ancestors: Optional[torch.Tensor] = None,
+    max_depth: Optional[int] = None,
+    validate: bool = True,
+) -> VerifyResult:
+    """Lossless sampling: `accept_chosen` with one draw from softmax(`logits` [B, N, V]) per distinct token path of a
+    tree (nodes with the same path, i.e. duplicate siblings and their subtrees, share the draw of the first of them).
+
+    generator  the draws' generator (`torch.multinomial`; None: the global one); the draws are made on its device.
+    `ancestors`, `max_depth` and `validate` as `accept_chosen`; `validate` also checks the token range and that every
+    valid node's logits give a distribution (not all -inf, no NaN).
+    """
+    _check_logits(trees, logits)
+    if validate:
+        _check_trees(trees, logits.shape[-1], max_depth)
+    if max_depth is None:
+        max_depth = _deepest(trees)
+    valid = trees.valid.to(logits.device)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [B, N, V]
+    if validate:
+        bad = valid & ~(probs.sum(dim=-1) > 0)  # NaN sums fail too
+        if bool(bad.any()):
+            row, node = (int(v) for v in torch.nonzero(bad)[0])
+            raise ValueError(f"logits at row {row}, node {node} give no valid distribution (all -inf or NaN)")
+    probs.masked_fill_(~valid[..., None], 1.0)  # padding: any token, never read
+    b, n, v = probs.shape
+    draw_device = generator.device if generator is not None else probs.device
+    draws = torch.multinomial(probs.view(b * n, v).to(draw_device), 1, generator=generator)
+    draws = draws.view(b, n).to(logits.device)
+    chosen = draws.gather(1, _first_with_same_path(trees, max_depth, logits.device))
+    return accept_chosen(trees, chosen, ancestors=ancestors, max_depth=max_depth, validate=False)
+
+
+def _deepest(trees: DraftTreeBatch) -> int:
+    """The depth of the deepest valid node (one host sync)."""
+    return int(torch.where(trees.valid, trees.depths, 0).max()) if trees.tokens.numel() else 0
+
+
+def _first_with_same_path(trees: DraftTreeBatch, max_depth: int, device: torch.device) -> torch.Tensor:
+    """[B, N] int64 on `device`: for each valid node the smallest node index with the same token path (itself for
+    padding). No host sync; `max_depth` >= the deepest node."""
+    tokens, depths, valid = (t.to(device) for t in (trees.tokens, trees.depths, trees.valid))
+    parents = trees.parents.to(device).clamp(min=0)
+    n = tokens.shape[1]
+    idx = torch.arange(n, device=device)
+    same = (valid[:, :, None] & valid[:, None, :] & (tokens[:, :, None] == tokens[:, None, :])
+            & (depths[:, :, None] == depths[:, None, :])) | torch.eye(n, dtype=torch.bool, device=device)
+    first = idx.expand_as(tokens)  # [B, N]
+    for _ in range(max_depth):  # after round d every node of depth <= d has its answer (its parent's is final)
+        up = first.gather(1, parents)
+        first = torch.where(same & (up[:, :, None] == up[:, None, :]), idx, n).amin(dim=-1)
+    return first
 
 
 # ------------------------------------------------------------------------------------------------------ general
@@ -215,37 +308,31 @@ def verify_tree(
     logits_processor  `proc(input_ids [1, T'], scores [1, V]) -> scores [1, V]`, applied lazily to float32 scores
                       at visited nodes only, with the node's exact prefix as `input_ids`; or a sequence of B such
                       processors, row b's for row b.
-    do_sample=False   greedy: at a visited node take the argmax of the processed scores and follow a child with
-                      that token; the bonus is the argmax at the last accepted node. Without a processor this is
-                      exactly `verify_greedy`. With a processor the semantics match `verify_greedy` too: when
-                      several children carry the argmax token, the deepest fully-correct path wins (ties: smallest
-                      node index), so an identity processor changes nothing.
-    do_sample=True    lossless multi-draft rejection sampling with deterministic drafts: p = softmax(processed) at a
-                      visited node; children are tried in node order (a token already tried at that node is
-                      skipped); child x is accepted when u < p(x), u ~ U[0, 1) from `generator`; on rejection p(x)
-                      is set to 0 and p renormalised. An accepted child is visited next; otherwise the bonus is drawn
-                      from the current p with `torch.multinomial`. The emitted tokens follow the target exactly.
+    do_sample         how the target's token is chosen at a visited node: False, the argmax of the processed
+                      scores; True, one draw (`torch.multinomial` with `generator`) from their softmax, once per
+                      distinct token path. The walk is the module's one rule, so without a processor this is exactly
+                      `verify_greedy` / `verify_sampled`, and an identity processor leaves greedy results unchanged.
+                      A visited node whose processed scores give no distribution (all -inf, NaN) is a ValueError
+                      when sampling.
     """
     _check_logits(trees, logits)
     contexts = _context_rows(context_ids, trees.batch_size)
-    if logits_processor is None and not do_sample:
-        return verify_greedy(trees, logits)
+    if logits_processor is None:
+        return verify_sampled(trees, logits, generator=generator) if do_sample else verify_greedy(trees, logits)
     vocab = logits.shape[-1]
     _check_trees(trees, vocab)
-    if logits_processor is not None and contexts is None:
+    if contexts is None:
         raise ValueError("a logits_processor needs context_ids (the sequence up to and including the root token)")
-    if contexts is not None:
-        roots = trees.tokens[:, 0].tolist()
-        for b, ctx in enumerate(contexts):
-            if ctx.numel() == 0 or int(ctx[-1]) != roots[b]:
-                last = int(ctx[-1]) if ctx.numel() else None
-                raise ValueError(
-                    f"context_ids row {b} must end with the root token {roots[b]} (got last token {last}); "
-                    "context_ids is the sequence up to and including the root"
-                )
+    roots = trees.tokens[:, 0].tolist()
+    for b, ctx in enumerate(contexts):
+        if ctx.numel() == 0 or int(ctx[-1]) != roots[b]:
+            last = int(ctx[-1]) if ctx.numel() else None
+            raise ValueError(
+                f"context_ids row {b} must end with the root token {roots[b]} (got last token {last}); "
+                "context_ids is the sequence up to and including the root"
+            )
 
     device = logits.device
-    max_depth = int(torch.where(trees.valid, trees.depths, 0).max()) if trees.tokens.numel() else 0
     counts = trees.valid.sum(dim=1).tolist()
     all_tokens = trees.tokens.tolist()
     all_parents = trees.parents.tolist()
@@ -258,28 +345,25 @@ def verify_tree(
         children: list[list[int]] = [[] for _ in range(n)]
         for j in range(1, n):
             children[parents[j]].append(j)
-        ctx = contexts[b].to(device=device, dtype=torch.long) if contexts is not None else None
+        ctx = contexts[b].to(device=device, dtype=torch.long)
         proc = logits_processor[b] if isinstance(logits_processor, (list, tuple)) else logits_processor
 
-        def scores_at(node: int, path: list[int], _b: int = b, _ctx: Optional[torch.Tensor] = ctx,
-                      _proc: Optional[LogitsProcessor] = proc) -> torch.Tensor:
+        def scores_at(node: int, path: list[int], _b: int = b, _ctx: torch.Tensor = ctx,
+                      _proc: LogitsProcessor = proc) -> torch.Tensor:
             # clone: processors may work in place and a float32 `.float()` would alias the caller's logits
             scores = logits[_b, node].to(torch.float32, copy=True)[None]
-            if _proc is not None:
-                ids = torch.cat([_ctx, torch.tensor(path, dtype=torch.long, device=device)])[None]
-                scores = _proc(ids, scores)
-                if tuple(scores.shape) != (1, vocab):
-                    raise ValueError(f"logits_processor returned shape {tuple(scores.shape)}, expected (1, {vocab})")
+            ids = torch.cat([_ctx, torch.tensor(path, dtype=torch.long, device=device)])[None]
+            scores = _proc(ids, scores)
+            if tuple(scores.shape) != (1, vocab):
+                raise ValueError(f"logits_processor returned shape {tuple(scores.shape)}, expected (1, {vocab})")
             return scores[0]
 
-        if do_sample:
-            nodes, bonus = _sample_walk(tokens, children, scores_at, generator)
-        else:
-            nodes, bonus = _greedy_walk(tokens, parents, children, scores_at)
+        choose = _drawn(scores_at, _first_nodes(tokens, parents), b, generator) if do_sample else _argmax(scores_at)
+        nodes, bonus = _walk(tokens, parents, children, choose)
         rows_nodes.append(nodes)
         bonus_tokens.append(bonus)
 
-    accepted = torch.full((trees.batch_size, max_depth + 1), -1, dtype=torch.long)
+    accepted = torch.full((trees.batch_size, _deepest(trees) + 1), -1, dtype=torch.long)
     for b, nodes in enumerate(rows_nodes):
         accepted[b, : len(nodes)] = torch.tensor(nodes, dtype=torch.long)
     return VerifyResult(
@@ -289,52 +373,56 @@ def verify_tree(
     )
 
 
-def _greedy_walk(tokens, parents, children, scores_at) -> tuple[list[int], int]:
-    """Depth-first over the children that carry the processed argmax; with distinct siblings this visits exactly
-    the accepted path (depth + 1 processor calls). Result: deepest reached node, ties -> smallest index."""
-    best, best_path, best_arg = 0, [], -1
+def _walk(tokens: list[int], parents: list[int], children: list[list[int]], choose: Choose) -> tuple[list[int], int]:
+    """The chosen-token walk over one tree's valid nodes (`accept_chosen`'s rule, lazily): depth-first over the
+    children that carry the token chosen at their parent -> (accepted path root first, bonus). The accepted node is the
+    deepest reached, ties -> smallest index. With distinct siblings this visits exactly the accepted path (depth + 1
+    calls of `choose`)."""
+    best, best_path, best_token = 0, [], -1
     stack: list[tuple[int, list[int]]] = [(0, [])]
     while stack:
         node, path = stack.pop()
-        a = int(scores_at(node, path).argmax())
+        token = choose(node, path)
         if len(path) > len(best_path) or (len(path) == len(best_path) and node <= best):
-            best, best_path, best_arg = node, path, a
-        stack.extend((c, path + [a]) for c in reversed(children[node]) if tokens[c] == a)
+            best, best_path, best_token = node, path, token
+        stack.extend((c, path + [token]) for c in reversed(children[node]) if tokens[c] == token)
     nodes = [best]
     while nodes[-1] > 0:
         nodes.append(parents[nodes[-1]])
-    return nodes[::-1], best_arg
+    return nodes[::-1], best_token
 
 
-def _sample_walk(tokens, children, scores_at, generator) -> tuple[list[int], int]:
-    gen_device = generator.device if generator is not None else None
-    node, path, nodes = 0, [], [0]
-    while True:
-        p = torch.softmax(scores_at(node, path), dim=-1, dtype=torch.float32)
-        if gen_device is not None:
-            p = p.to(gen_device)
-        total = float(p.sum())
-        if not total > 0 or total != total:  # all -inf (or NaN) scores
-            raise ValueError(f"processed scores at node {node} give no valid distribution (all -inf or NaN)")
-        tried: set[int] = set()
-        accepted = None
-        for c in children[node]:
-            x = tokens[c]
-            if x in tried:
-                continue
-            tried.add(x)
-            u = float(torch.rand((), generator=generator, device=p.device))
-            if u < float(p[x]):
-                accepted = c
-                break
-            q = p.clone()
-            q[x] = 0.0
-            s = float(q.sum())
-            if s > 0:  # always true after a genuine rejection (p(x) < 1); otherwise keep p as it was
-                p = q / s
-        if accepted is None:
-            bonus = int(torch.multinomial(p, 1, generator=generator))
-            return nodes, bonus
-        node = accepted
-        path.append(tokens[node])
-        nodes.append(node)
+def _argmax(scores_at: ScoresAt) -> Choose:
+    """Greedy choice: the first maximum of the node's processed scores."""
+    return lambda node, path: int(scores_at(node, path).argmax())
+
+
+def _first_nodes(tokens: list[int], parents: list[int]) -> list[int]:
+    """For each node of one tree the smallest node index with the same token path (`_first_with_same_path`)."""
+    paths: list[tuple[int, ...]] = []
+    first: dict[tuple[int, ...], int] = {}
+    for j, (token, parent) in enumerate(zip(tokens, parents)):
+        paths.append(paths[parent] + (token,) if parent >= 0 else ())
+        first.setdefault(paths[j], j)
+    return [first[p] for p in paths]
+
+
+def _drawn(scores_at: ScoresAt, first: list[int], row: int, generator: Optional[torch.Generator]) -> Choose:
+    """Sampling choice: one draw from softmax(processed scores) per distinct path, made at the first node with that
+    path (`first`, from `_first_nodes`; duplicate siblings and their subtrees share its draws), on `generator`'s
+    device."""
+    draws: dict[int, int] = {}
+
+    def choose(node: int, path: list[int]) -> int:
+        node = first[node]
+        if node not in draws:
+            p = torch.softmax(scores_at(node, path), dim=-1, dtype=torch.float32)
+            if generator is not None:
+                p = p.to(generator.device)
+            if not float(p.sum()) > 0:  # all -inf (or NaN) scores
+                raise ValueError(f"processed scores at row {row}, node {node} give no valid distribution "
+                                 "(all -inf or NaN)")
+            draws[node] = int(torch.multinomial(p, 1, generator=generator))
+        return draws[node]
+
+    return choose

@@ -10,14 +10,17 @@
 - `dart_decoding`: the tree loop as a `custom_generate` callable for models that are not enabled.
 - `load_smollm2()`: the offline SmolLM2-135M-Instruct target; `load_default()`: it plus the shipped DART head.
 - Each DART call without `dart_tree_config` chooses every step's tree from what DART measures while it runs
-  (`dart_hf.controller`: the head's acceptance curve and this machine's first-call cost as priors, then every call's
-  own step times and accepted lengths); an attached head decodes plain where DART does not pay.
+  (`dart_core.speed`: the head's acceptance curve and, where `calibrate` measured one, this machine's cost as
+  priors, then every call's own step times and accepted lengths); an attached head decodes plain where DART does
+  not pay.
   `tree_choice(model, head)` is the current choice; `calibrate(model, tokenizer, head)` measures a head's
   acceptance curve (`dart_hf.calibration`).
 """
 
-from dart_hf.calibration import DartCacheWarning, MachineCost
-from dart_hf.controller import TreeChoice, calibrate, tree_choice
+from dart_core.cost import MachineCost
+from dart_core.speed import TreeChoice
+from dart_hf.calibration import DartCacheWarning, calibrate
+from dart_hf.controller import tree_choice
 from dart_hf.candidate import DartCandidateGenerator
 from dart_hf.default import load_default
 from dart_hf.enable import DartFallbackWarning, DartGenerationMixin, enable

@@ -17,7 +17,9 @@ from dart_core.store import check_store_cap
 from dart_hf.candidate import DartCandidateGenerator
 from dart_hf import compat
 from dart_hf.compat import CAPTURE_HOOK, CAPTURE_HOOKS_FLAG
-from dart_hf.controller import CallPolicy, PlainClock, controller_for, existing_controller
+from dart_core.speed import Mode
+from dart_core.step_policy import CallPolicy
+from dart_hf.controller import PlainClock, controller_for, existing_controller, save_learned
 from dart_hf.target import context_drafting
 from dart_hf.loop import (DART_ARGUMENTS, ENABLED_MARKER, DartOptions, NotApplicable, _record_stats, dart_decoding,
                           last_stats)
@@ -82,17 +84,17 @@ class DartGenerationMixin:
         stored = options.output_store is not None  # earlier outputs change what trees accept: apart estimates
         if options.tree_config is None:  # each step's tree chosen by what DART measures here (dart_hf.controller)
             controller = existing_controller(self, options.head, context, stored)
-            mode, reason = "dart", None
+            mode, reason = Mode.DART, None
             if controller is not None and not explicit:
                 mode, reason = controller.call_mode(*_call_shape(inputs, kwargs))
-            if mode == "plain":
+            if mode == Mode.PLAIN:
                 result = self._timed_plain_generate(controller, reason, inputs, generation_config, kwargs)
                 remember_outputs(options.output_store, inputs, kwargs, result, self._call_eos(generation_config, kwargs))
                 return result
             # the controller is made (reading what earlier processes learned) once the call's checks have passed
             policy = CallPolicy(functools.partial(controller_for, self, options.head, context, stored),
                                 may_go_plain=not explicit,
-                                probe=mode == "probe")
+                                probe=mode == Mode.PROBE)
         else:  # a fixed tree; it teaches the controller, where a call made one
             controller = existing_controller(self, options.head, context, stored)
             policy = None if controller is None else CallPolicy(lambda: controller, may_go_plain=False,
@@ -115,7 +117,7 @@ class DartGenerationMixin:
             if policy is not None:
                 for message in policy.warnings:
                     warnings.warn(message, DartFallbackWarning, stacklevel=2)
-                policy.save()
+                save_learned(policy.controller)
 
     def _get_stopping_criteria(self, generation_config, stopping_criteria, tokenizer=None):
         # stop strings need the call's tokenizer
@@ -147,7 +149,7 @@ class DartGenerationMixin:
             return super().generate(inputs, generation_config, **timed)
         finally:
             clock.report(controller)
-            controller.save()
+            save_learned(controller)
 
     def _call_eos(self, generation_config, kwargs: dict):
         """The EOS ids a call ends rows with: its `eos_token_id=`, else its generation config's, else the model's."""

@@ -10,7 +10,7 @@ import inspect
 import threading
 import warnings
 import weakref
-from typing import Optional, Protocol
+from typing import Optional
 
 import torch
 
@@ -20,6 +20,8 @@ from dart_core.acceptance import accepted_within, tau_of
 from dart_runtime.cuda_graph import cached_graph
 from dart_core.context import SOURCE_HEAD, SOURCE_NGRAM, SOURCE_STORE, ContextDrafter, ContextProposals
 from dart_core.model_free import check_model_free_tree
+from dart_core.step_policy import (LAST_TOKEN, PLAIN, FixedTree, LastTokenStep, StepDecision, StepPolicy,
+                                   TreeStep)
 from dart_core.errors import DartInputError
 from dart_core.head import id_outside_vocab
 from dart_runtime.matmul import few_row_linears
@@ -95,11 +97,25 @@ class DartStats:
     compact_time: float = 0.0
     sync_timing: bool = False
 
-    def clock(self, device: torch.device) -> float:
-        """Clock seconds (`dart_runtime.timing.now`), after waiting for `device` when `sync_timing` is set."""
-        if self.sync_timing:
-            synchronize(device)
-        return now()
+    def record(self, decision: StepDecision, outcome: "StepOutcome") -> None:
+        """Add one verified step, which `decision` asked for (a last-token step is nobody's choice: no tree size)."""
+        if not isinstance(decision, LastTokenStep):
+            self.tree_sizes.append(decision.nodes if isinstance(decision, TreeStep) else 0)
+        phases = outcome.phases
+        if outcome.drafted:  # a step with a drafted tree (a lone root accepts nothing by construction)
+            self.accepted_lengths += outcome.accepted
+            self.batch_rows += outcome.rows
+            self.accepted_ranks += outcome.ranks
+            for i, name in enumerate(SOURCE_COUNTS):
+                field = f"accepted_{name}"
+                setattr(self, field, getattr(self, field) + sum(row[i] for row in outcome.sources))
+            self.tree_nodes = max(self.tree_nodes, outcome.nodes)
+            if not self.forwards:
+                self.first_draft_time = phases["head"] + phases["tree"]
+        self.forwards += 1
+        for phase in ("head", "tree", "mask", "target", "accept", "compact"):
+            setattr(self, f"{phase}_time", getattr(self, f"{phase}_time") + phases.get(phase, 0.0))
+        self.verify_time += sum(phases.get(phase, 0.0) for phase in VERIFY_PHASES)
 
     @property
     def steps(self) -> int:
@@ -159,6 +175,36 @@ class DartStats:
         return out
 
 
+SOURCE_COUNTS = ("head", "context", "both", "store", "ngram")  # `source_counts`' columns, `DartStats.accepted_*`
+VERIFY_PHASES = ("mask", "target", "accept", "compact", "next")  # the phases of `verify_step`
+
+
+class PhaseClock:
+    """The phases of one step (or the prefill), timed in one place: `mark(phase)` adds the seconds since the previous
+    mark to `phases[phase]`; with `sync` each reading waits for `device` first (an accelerator's phases are then its
+    own, at the cost of those synchronisations)."""
+
+    def __init__(self, device: torch.device, sync: bool) -> None:
+        self.device, self.sync = device, sync
+        self.phases: dict[str, float] = {}
+        self.start = self.last = self.read()
+
+    def read(self) -> float:
+        if self.sync:
+            synchronize(self.device)
+        return now()
+
+    def mark(self, phase: str) -> None:
+        t = self.read()
+        self.phases[phase] = self.phases.get(phase, 0.0) + t - self.last
+        self.last = t
+
+    @property
+    def seconds(self) -> float:
+        """From the start to the last mark."""
+        return self.last - self.start
+
+
 # ---- the statistics of each call, per thread ---------------------------------------------------------------------
 _LAST_CALL = threading.local()  # .stats: WeakKeyDictionary model -> the DartStats of this thread's last call on it
 
@@ -183,26 +229,6 @@ ENABLED_MARKER = "_dart_original"  # the class attribute of a model class `dart_
 def is_enabled(model) -> bool:
     """Whether `dart_hf.enable` gave `model` DART generation (its generate() takes `dart_head=`)."""
     return hasattr(type(model), ENABLED_MARKER)
-
-
-class StepPolicy(Protocol):
-    """What decides each verify step's tree (`dart_hf.controller.CallPolicy`): the loop asks before every step and
-    reports what the step cost and accepted."""
-
-    max_tree_size: int  # the largest tree `tree_size` answers
-
-    def begin(self, sampled: bool) -> None:
-        """The call starts decoding, its checks passed (sampled: whether it samples); `max_tree_size` holds from
-        here."""
-
-    def tree_size(self, batch_size: int, context_length: int) -> int:
-        """Draft nodes for the next step of `batch_size` sequences over a cache of `context_length` positions; 0: a
-        plain step (the roots alone)."""
-
-    def observe(self, tree_size: int, batch_size: int, context_length: int, seconds: float,
-                accepted_ranks: list[list[int]]) -> None:
-        """That step took `seconds` (the whole iteration of the loop) and accepted, per sequence, nodes of these
-        selection ranks (`DartStats.accepted_ranks`; empty lists for a plain step)."""
 
 
 class NotApplicable(DartInputError):
@@ -285,7 +311,7 @@ class Call:
     tokenizer: object
     options: DartOptions
     model_kwargs: dict  # attention_mask, position_ids, past_key_values, ... as generate() prepared them
-    policy: Optional[StepPolicy] = None  # chooses each step's tree; None: `options`' tree for every step
+    policy: Optional[StepPolicy] = None  # decides each step (`dart_core.step_policy`); None: `options`' tree always
 
     @property
     def want_scores(self) -> bool:
@@ -359,13 +385,12 @@ def _decode(call: Call):
                                           run.stats)
         load_kernel_choices()  # what earlier processes measured here (once per process)
         with tree_forwards(call.model), few_row_linears(head):
-            while not run.emit(batch, step):
-                t_step = now()
-                batch, step = run.keep_producing(batch, step, head_cache)
-                trees, ancestors, step, size = run.draft(batch, step, head_cache)
-                rows, context, ranked = len(batch.rows), cache.get_seq_length(), len(run.stats.accepted_ranks)
-                step = verify_step(run.verifier, trees, ancestors, batch, run.sequences, step, run.stats)
-                run.observe(size, rows, context, now() - t_step, run.stats.accepted_ranks[ranked:])
+            while (producing := run.emit(batch, step, head_cache)) is not None:
+                batch, step = producing
+                clock = PhaseClock(batch.contexts.device, run.stats.sync_timing)
+                decision = run.decide(batch)
+                trees, ancestors, pending, decision = run.draft(decision, batch, step, head_cache, clock)
+                step = run.verify(decision, trees, ancestors, batch, pending, clock)
         output = run.finish(step, head_cache)
     run.stats.total_time = now() - t_start
     save_kernel_choices()  # what this call measured, for later processes on this machine
@@ -383,9 +408,9 @@ def _start(call: Call) -> "Run":
         raise NotApplicable(str(err)) from None
     input_ids = call.input_ids.long()  # generate()'s output is int64 whatever integer type the prompt had
     ngram = call.options.ngram if call.options.ngram is not None else head.ngram
-    if call.policy is not None:
-        call.policy.begin(bool(config.do_sample))
-    largest = tree_config.remain_total if call.policy is None else call.policy.max_tree_size
+    policy = call.policy if call.policy is not None else FixedTree(tree_config.remain_total)
+    policy.begin(bool(config.do_sample))
+    largest = policy.max_tree_size
     depth = dataclasses.replace(tree_config, remain_total=largest).tree_depth(head.draft_length + 1)  # deepest node
     greedy_paths = functools.partial(accepted_greedy_paths, max_depth=depth)
     graphs = call.options.cuda_graph and input_ids.device.type == "cuda"
@@ -404,7 +429,7 @@ def _start(call: Call) -> "Run":
         mask = prepared.attention_mask.bool()
         context = head.context_drafter([ids[keep] for ids, keep in zip(input_ids, mask)], tree_config,
                                        call.options.output_store, ngram)
-    run = Run(call, prepared, input_ids, tree_config, ngram, graphs, draft_context_length(ngram), verifier,
+    run = Run(call, prepared, input_ids, tree_config, policy, ngram, graphs, draft_context_length(ngram), verifier,
               Stopper(input_ids, call.stopping_criteria, config, scores), stats, scores,
               [] if call.want_logits else None, context=context)
     if call.streamer is not None:
@@ -419,7 +444,8 @@ class Run:
     call: Call
     prepared: "Prepared"
     input_ids: torch.Tensor  # [B, T] int64
-    tree_config: TreeConfig  # the search settings; `remain_total` is the tree of every step unless a policy decides
+    tree_config: TreeConfig  # the search settings; each step's `remain_total` is the policy's
+    policy: StepPolicy  # decides each step (`dart_core.step_policy`)
     ngram: object  # the n-gram prior of the search (None: none)
     graphs: bool
     context_len: int  # tokens of context the n-gram prior reads
@@ -436,8 +462,9 @@ class Run:
         if self.verifier.needs_prefixes or self.scores is not None or self.raw_logits is not None:
             self.sequences = list(self.input_ids.split(1))
 
-    def emit(self, batch: "Batch", step: "Step") -> bool:
-        """Hand every row's new tokens to the stopper (and scores, prefixes, streamer) -> whether the call is done."""
+    def emit(self, batch: "Batch", step: "Step", head_cache) -> Optional[tuple["Batch", "Step"]]:
+        """Hand every row's new tokens to the stopper (and scores, prefixes, streamer) -> the batch and step of the
+        rows that need more tokens (the others dropped from both caches), or None when the call is done."""
         for i, row in enumerate(batch.rows):
             tokens = step.tokens[i]
             if self.scores is not None or self.raw_logits is not None:
@@ -451,10 +478,8 @@ class Run:
         decided = self.stopper.decide()
         if self.call.streamer is not None and decided[0]:
             self.call.streamer.put(torch.tensor(decided[0]))  # from the host: no device read
-        return self.stopper.done
-
-    def keep_producing(self, batch: "Batch", step: "Step", head_cache) -> tuple["Batch", "Step"]:
-        """The batch without the rows that need no more tokens."""
+        if self.stopper.done:
+            return None
         keep = [i for i, row in enumerate(batch.rows) if self.stopper.producing(row)]
         if len(keep) == len(batch.rows):
             return batch, step
@@ -462,23 +487,27 @@ class Run:
             self.context.select(keep)
         return _drop_rows(batch, step, head_cache, self.verifier.cache, keep)
 
-    def draft(self, batch: "Batch", step: "Step", head_cache):
-        """The next trees -> (trees, ancestors, the step with the head's pending rows consumed, the draft nodes asked
-        for or None). When every row needs one token more, the roots alone (no head pass), as a plain step decides
-        one token; so when the policy asks for a plain step (0), the head's rows then wait for the next draft."""
+    def decide(self, batch: "Batch") -> StepDecision:
+        """The next step: `LAST_TOKEN` when every row needs one token more, else the policy's decision."""
         if all(self.stopper.remaining(row) == 1 for row in batch.rows):
-            return (*root_trees(batch.contexts[:, -1:]), step, None)
-        size = self.tree_config.remain_total if self.call.policy is None else \
-            self.call.policy.tree_size(len(batch.rows), self.verifier.cache.get_seq_length())
-        if size == 0:
-            return (*root_trees(batch.contexts[:, -1:]), step, 0)
-        tree_config = dataclasses.replace(self.tree_config, remain_total=size)
-        proposals = None if self.context is None else self.context.propose(batch.contexts.device, budget=size)
+            return LAST_TOKEN
+        return self.policy.decide(len(batch.rows), self.verifier.cache.get_seq_length())
+
+    def draft(self, decision: StepDecision, batch: "Batch", step: "Step", head_cache, clock: PhaseClock):
+        """The trees `decision` asks for -> (trees, ancestors, the step with the head's pending rows consumed, the
+        decision the trees carry out). A plain or last-token step verifies the roots alone (no head pass: the head's
+        rows wait for the next draft), as plain decoding decides one token; a tree step whose drafter proposed
+        nothing is a plain step."""
+        if not isinstance(decision, TreeStep):
+            return (*root_trees(batch.contexts[:, -1:]), step, decision)
+        tree_config = dataclasses.replace(self.tree_config, remain_total=decision.nodes)
+        proposals = None if self.context is None else self.context.propose(batch.contexts.device,
+                                                                           budget=decision.nodes)
         trees, ancestors = draft(self.call.options.head, self.search(tree_config), step, head_cache, batch,
-                                 tree_config, self.graphs, self.stats, proposals)
+                                 tree_config, self.graphs, clock, proposals)
         consumed = dataclasses.replace(step, aux_rows=step.aux_rows[:, :0], head_ids=step.head_ids[:, :0],
                                        head_lengths=torch.zeros_like(step.head_lengths))
-        return trees, ancestors, consumed, size if trees.num_nodes > 1 else 0  # nothing proposed: a plain step
+        return trees, ancestors, consumed, decision if trees.num_nodes > 1 else PLAIN
 
     def search(self, tree_config: TreeConfig):
         """The tree search with `tree_config` (replayed from a CUDA graph kept with the head where `graphs`)."""
@@ -490,15 +519,15 @@ class Run:
             self.searches[tree_config.remain_total] = search
         return search
 
-    def observe(self, size: Optional[int], rows: int, context: int, seconds: float, ranks: list[list[int]]) -> None:
-        """Record the step just verified (`rows` sequences over a cache of `context` positions, `seconds` of the
-        loop's iteration, `ranks` of its accepted nodes): its tree size in the statistics, and to the policy what it
-        cost and accepted. A step of a call's last token (the roots alone) is nobody's choice: not reported."""
-        if size is None:
-            return
-        self.stats.tree_sizes.append(size)
-        if self.call.policy is not None:
-            self.call.policy.observe(size, rows, context, seconds, ranks or [[] for _ in range(rows)])
+    def verify(self, decision: StepDecision, trees: DraftTreeBatch, ancestors: torch.Tensor, batch: "Batch",
+               pending: "Step", clock: PhaseClock) -> "Step":
+        """Verify the trees (`verify_step`) and hand the outcome to the statistics and to the policy (a last-token
+        step is nobody's choice: not reported) -> the next step."""
+        outcome = verify_step(self.verifier, trees, ancestors, batch, self.sequences, pending, clock)
+        self.stats.record(decision, outcome)
+        if not isinstance(decision, LastTokenStep):
+            self.policy.observe(decision, outcome)
+        return outcome.step
 
     def finish(self, step: "Step", head_cache) -> torch.Tensor:
         """The output [B, T + steps]; a batch-of-one cache cropped as plain leaves it, carrying the head's state."""
@@ -703,7 +732,7 @@ def prefill(verifier: _Verifier, head: DartHead, input_ids: torch.Tensor, attent
     position the head has not consumed: after `carried`'s, or from 0 (for a cache without it, the prefix's hidden
     states come from one more target forward)."""
     device = input_ids.device
-    t0 = stats.clock(device)
+    clock = PhaseClock(device, stats.sync_timing)
     b, t = input_ids.shape
     model, plan = verifier.model, verifier.plan
     padded = not bool(attention_mask.all())
@@ -736,7 +765,8 @@ def prefill(verifier: _Verifier, head: DartHead, input_ids: torch.Tensor, attent
     batch = Batch(list(range(b)), attention_mask.bool(), positions[:, -1] + 1, contexts[:, -context_len:])
     step = Step([[x] for x in first.tolist()], first[:, None], torch.zeros(b, 1, dtype=torch.long, device=device),
                 logits, aux_rows, head_ids, head_lengths)
-    stats.prefill_time = stats.clock(device) - t0
+    clock.mark("prefill")
+    stats.prefill_time = clock.seconds
     return batch, step, head_cache
 
 
@@ -758,22 +788,15 @@ class TreeSearch:
 
 
 def draft(head: DartHead, search, step: Step, head_cache, batch: Batch, tree_config: TreeConfig, cuda_graph: bool,
-          stats: DartStats, proposals: Optional[ContextProposals] = None) -> tuple[DraftTreeBatch, torch.Tensor]:
+          clock: PhaseClock, proposals: Optional[ContextProposals] = None) -> tuple[DraftTreeBatch, torch.Tensor]:
     """One drafting pass over every sequence's pending head rows (a DART head: one forward with its mask rows) and
     the tree search (`TreeSearch`; the drafter interface, docs/DESIGN.md §1.2) with the rows' context paths
-    `proposals` where given -> (trees, ancestors [B, N, N])."""
-    device = batch.contexts.device
-    t0 = stats.clock(device)
+    `proposals` where given -> (trees, ancestors [B, N, N]); phases "head" and "tree" on `clock`."""
     candidates = head.draft(step.aux_rows, step.head_ids, step.head_lengths, head_cache, tree_config,
                             cuda_graph=cuda_graph)
-    t1 = stats.clock(device)
+    clock.mark("head")
     trees, ancestors = search(candidates, batch.contexts, () if proposals is None else proposals.tensors())
-    t2 = stats.clock(device)
-    if not stats.forwards:
-        stats.first_draft_time = t2 - t0
-    stats.head_time += t1 - t0
-    stats.tree_time += t2 - t1
-    stats.tree_nodes = max(stats.tree_nodes, trees.num_nodes)
+    clock.mark("tree")
     return trees, ancestors
 
 
@@ -790,25 +813,50 @@ def merge_rows(first: torch.Tensor, first_lengths: torch.Tensor, second: torch.T
     return both.gather(1, index.view(*index.shape, *([1] * (both.dim() - 2))).expand(-1, -1, *both.shape[2:]))
 
 
+@dataclasses.dataclass
+class StepOutcome:
+    """What one verify step did, handed to the statistics (`DartStats.record`) and to the policy
+    (`dart_core.step_policy.VerifiedStep`); row i is sequence `rows[i]`."""
+
+    step: Step  # the next step: each sequence's new tokens and the head's pending rows
+    rows: list[int]  # the caller's batch row of each sequence
+    accepted: list[int]  # accepted draft tokens of each sequence (the bonus not counted)
+    ranks: list[list[int]]  # the selection rank of each accepted node (`dart_core.tree.score_ranks`)
+    sources: list[list[int]]  # per sequence, its accepted tokens by source (`source_counts`, `SOURCE_COUNTS`)
+    nodes: int  # the trees' nodes, the root included (1: the roots alone)
+    context_length: int  # cache positions before the step
+    seconds: float  # the whole step, drafting included
+    phases: dict[str, float]  # seconds by phase (`PhaseClock`)
+
+    @property
+    def drafted(self) -> bool:
+        """Whether the step verified a drafted tree (a lone root accepts nothing by construction)."""
+        return self.nodes > 1
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.rows)
+
+
 def verify_step(verifier: _Verifier, trees: DraftTreeBatch, ancestors: torch.Tensor, batch: Batch,
-                sequences: Optional[list[torch.Tensor]], pending: Step, stats: DartStats) -> Step:
+                sequences: Optional[list[torch.Tensor]], pending: Step, clock: PhaseClock) -> StepOutcome:
     """One target forward over all trees, acceptance, and the KV cache compacted to the accepted paths (rows that
-    accepted fewer tokens than the longest leave masked holes). One host synchronisation: the accepted paths. The
-    new step's head rows follow the rows of `pending` the head has not consumed yet."""
+    accepted fewer tokens than the longest leave masked holes); phases "mask", "target", "accept", "compact" and
+    "next" (the next step's rows) on `clock`. One host synchronisation: the accepted paths. The new step's head rows
+    follow the rows of `pending` the head has not consumed yet."""
     device = batch.contexts.device
-    t0 = stats.clock(device)
     dtype = next(verifier.model.parameters()).dtype
     past = verifier.cache.get_seq_length()
     mask = tree_attention_mask(ancestors, batch.columns, dtype, trees.depths, verifier.layout,
                                sliding_dropped(verifier.cache, past))
-    t1 = stats.clock(device)
+    clock.mark("mask")
     out = tree_forward(verifier.model, trees.tokens, batch.root_positions[:, None] + trees.depths, mask, verifier.cache,
                        verifier.plan.layer_ids)
-    t2 = stats.clock(device)
+    clock.mark("target")
     logits = out.logits.float()  # [B, N, V]
     paths = verifier.accept(trees, logits, ancestors, sequences, batch.rows)
     d = paths.ranks.shape[1]
-    sources = source_counts(trees, paths.nodes, paths.accept_length)  # [B, 3]
+    sources = source_counts(trees, paths.nodes, paths.accept_length)  # [B, 5]
     # the step's one synchronisation: per row [a, ranks (d), nodes (d+1), tokens (d+1), bonus, sources (5)]
     host = torch.cat((paths.accept_length[:, None], paths.ranks, paths.nodes, paths.tokens, paths.bonus[:, None],
                       sources), dim=1).tolist()
@@ -817,14 +865,15 @@ def verify_step(verifier: _Verifier, trees: DraftTreeBatch, ancestors: torch.Ten
     path_nodes = [row[1 + d : 2 + d + a] for row, a in zip(host, accepted)]  # root first
     new_tokens = [row[3 + 2 * d : 3 + 2 * d + a] + [row[-6]] for row, a in zip(host, accepted)]  # drafts, bonus
     k = max(accepted) + 1
-    t3 = stats.clock(device)
+    clock.mark("accept")
     at_front = all(nodes == list(range(len(nodes))) for nodes in path_nodes)
     keep_accepted_path(verifier.cache, past, paths.nodes[:, :k], at_front)
-    t4 = stats.clock(device)
+    clock.mark("compact")
     real = torch.arange(k, device=device) <= paths.accept_length[:, None]  # [B, k]
     new_ids = torch.cat((paths.tokens[:, 1:k], paths.tokens[:, :1]), dim=1).scatter(
         1, paths.accept_length[:, None], paths.bonus[:, None])  # [B, k] accepted tokens, bonus, padding
     counts = paths.accept_length + 1
+    rows = list(batch.rows)
     batch.columns = torch.cat((batch.columns, real), dim=1)
     batch.root_positions = batch.root_positions + counts
     batch.contexts = torch.cat((batch.contexts, new_ids), dim=1).gather(
@@ -834,20 +883,9 @@ def verify_step(verifier: _Verifier, trees: DraftTreeBatch, ancestors: torch.Ten
     step = Step(new_tokens, new_ids, paths.nodes[:, :k], logits,
                 merge_rows(pending.aux_rows, pending.head_lengths, aux, counts),
                 merge_rows(pending.head_ids, pending.head_lengths, new_ids, counts), pending.head_lengths + counts)
-    if trees.num_nodes > 1:  # a step with a drafted tree (a lone root accepts nothing by construction)
-        stats.accepted_lengths += accepted
-        stats.batch_rows += batch.rows
-        stats.accepted_ranks += ranks
-        for i, name in enumerate(("head", "context", "both", "store", "ngram")):
-            field = f"accepted_{name}"
-            setattr(stats, field, getattr(stats, field) + sum(row[len(row) - 5 + i] for row in host))
-    stats.forwards += 1
-    stats.mask_time += t1 - t0
-    stats.target_time += t2 - t1
-    stats.accept_time += t3 - t2
-    stats.compact_time += t4 - t3
-    stats.verify_time += stats.clock(device) - t0
-    return step
+    clock.mark("next")
+    return StepOutcome(step, rows, accepted, ranks, [row[len(row) - len(SOURCE_COUNTS):] for row in host],
+                       trees.num_nodes, past, clock.seconds, clock.phases)
 
 
 def source_counts(trees: DraftTreeBatch, nodes: torch.Tensor, accept_length: torch.Tensor) -> torch.Tensor:

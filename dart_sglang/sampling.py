@@ -4,10 +4,10 @@ SGLang's EAGLE verify applies "a relaxed version of penalties for speculative de
 the penalties of the request's state before the tree, and that state counts only the last token of each verify
 step. DART serves the plain server's output, so each node here is penalised for its own prefix: the request's output
 so far plus the node's ancestors in the tree (`node_penalties`), with the plain server's frequency, presence,
-repetition and min-new-tokens rules. Sampling (`sample_nodes`) draws every node's token from the target's processed
-distribution (temperature, then the plain server's top-k / top-p / min-p); walking the tree greedily over those
-draws (a child is accepted when its token is the one drawn at its parent) emits exactly a draw from the target at
-each position, the losslessness argument of docs/DESIGN.md §2.5 for deterministic drafts.
+repetition and min-new-tokens rules. Sampling (`sample_nodes`) is the server's adapter for choosing a node's token
+in DART's one verification rule (`dart_core.verify`, docs/DESIGN.md §2.5): one draw per node from the target's
+processed distribution (temperature, then the plain server's top-k / top-p / min-p), walked by SGLang's greedy tree
+kernel as it walks argmaxes.
 """
 
 from __future__ import annotations

@@ -1,6 +1,9 @@
-"""DART's tree verification inside SGLang's EAGLE verify step: `eagle_sample` with the plain server's token choice
-per node (`dart_sglang.sampling`) on every device. Installed as an AROUND hook by the plugin; other algorithms get
-SGLang's own function."""
+"""DART's tree verification inside SGLang's EAGLE verify step: `eagle_sample` with each node penalised for its own
+prefix and the plain server's token choice per node (`dart_sglang.sampling`: the argmax, or a draw), walked by
+SGLang's greedy tree kernel (`verify_tree_greedy_func`): the rule of `dart_core.verify` (docs/DESIGN.md §2.5). The
+kernel follows the first child that carries its parent's chosen token; DART's trees hold one node per token path,
+so that child is the only one. Sampling on CUDA keeps SGLang's own tree-sampling kernel (`tree_sampling_kernel`).
+Installed as an AROUND hook by the plugin; other algorithms get SGLang's own function."""
 
 from __future__ import annotations
 

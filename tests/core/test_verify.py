@@ -1,4 +1,5 @@
-"""Tests of draft-tree verification (`dart_core.verify`): greedy, processors, and lossless sampling."""
+"""Tests of draft-tree verification (`dart_core.verify`): the chosen-token walk, greedy, processors, and lossless
+sampling."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from dart_core.tree import DraftTree, DraftTreeBatch
-from dart_core.verify import VerifyResult, verify_greedy, verify_tree
+from dart_core.verify import VerifyResult, accept_chosen, verify_greedy, verify_sampled, verify_tree
 
 # ------------------------------------------------------------------------------------------------------ helpers
 
@@ -273,9 +274,9 @@ def test_greedy_matches_recursive_reference(integer_logits: bool) -> None:
     assert sum(d >= 2 for d in accepted_depths) > 50
 
 
-def test_greedy_has_no_host_sync_on_meta_device() -> None:
+def test_device_walks_have_no_host_sync_on_meta_device() -> None:
     """On the meta device every value read-back (.item(), bool(), nonzero) raises, so this proves the
-    fixed-shape path never syncs."""
+    fixed-shape paths (greedy, sampled, given chosen tokens) never sync."""
     b, n, v = 3, 7, 11
     trees = DraftTreeBatch(
         tokens=torch.empty(b, n, dtype=torch.long, device="meta"),
@@ -285,10 +286,13 @@ def test_greedy_has_no_host_sync_on_meta_device() -> None:
         valid=torch.empty(b, n, dtype=torch.bool, device="meta"),
     )
     logits = torch.empty(b, n, v, device="meta")
+    chosen = torch.empty(b, n, dtype=torch.long, device="meta")
     for anc in (None, torch.empty(b, n, n, dtype=torch.bool, device="meta")):
-        res = verify_greedy(trees, logits, ancestors=anc, max_depth=4, validate=False)
-        assert res.accepted_nodes.shape == (b, 5) and res.accepted_nodes.dtype == torch.long
-        assert res.accept_length.shape == (b,) and res.bonus_token.shape == (b,)
+        for res in (verify_greedy(trees, logits, ancestors=anc, max_depth=4, validate=False),
+                    verify_sampled(trees, logits, ancestors=anc, max_depth=4, validate=False),
+                    accept_chosen(trees, chosen, ancestors=anc, max_depth=4, validate=False)):
+            assert res.accepted_nodes.shape == (b, 5) and res.accepted_nodes.dtype == torch.long
+            assert res.accept_length.shape == (b,) and res.bonus_token.shape == (b,)
 
 
 # ---------------------------------------------------------------------------------- greedy with a processor
@@ -354,7 +358,7 @@ def test_processor_sees_exact_prefixes_lazily() -> None:
     calls.clear()
     onehot = torch.full((1, 6, 6), -1e4)
     for i, a in enumerate([3, 0, 1, 4, 2, 0]):
-        onehot[0, i, a] = 0.0  # p == 1 at the target token: every correct draft is accepted
+        onehot[0, i, a] = 0.0  # p == 1 at the target token: the draw is the greedy choice
     res = verify_tree(trees, onehot, torch.tensor([[5, 5, 0]]), logits_processor=recorder, do_sample=True,
                       generator=torch.Generator().manual_seed(0))
     check_result(res, 0, [0, 2, 3, 4], bonus=2)
@@ -365,7 +369,7 @@ def test_processor_sees_exact_prefixes_lazily() -> None:
 
 VS = 4
 # root 0 -> 1 (tok 1), 2 (tok 2), 3 (tok 1, duplicate of node 1); 1 -> 4 (tok 3), 5 (tok 0); 2 -> 6 (tok 2);
-# 3 -> 7 (tok 3, under the duplicate: never reachable when sampling)
+# 3 -> 7 (tok 3, under the duplicate: node 4's path)
 TOY_TOKENS = [0, 1, 2, 1, 3, 0, 2, 3]
 TOY_PARENTS = [-1, 0, 0, 0, 1, 1, 2, 3]
 TOY_CONTEXT = [3, 0]
@@ -415,41 +419,51 @@ def complete_pairs(emitted: list[list[int]], processor, gen: torch.Generator) ->
     return counts
 
 
-def buggy_sampler(processor, bug: str, draws: int, seed: int) -> list[list[int]]:
-    """Control: an independent re-implementation of the sampling walk with a deliberate bug."""
+TOY_PATHS = {tuple(path_tokens(i, TOY_TOKENS, TOY_PARENTS)) for i in range(1, len(TOY_TOKENS))}
+
+
+def reference_walk(processor, bug: str, draws: int, seed: int) -> list[list[int]]:
+    """Emitted tokens of `draws` steps on the toy tree, re-derived independently (Python's `random`): the target
+    draws the next token after the path so far, and the path grows while it stays a path of the tree; the last draw
+    is the bonus. `bug` makes it a control that must fail:
+    accept_unmatched  where no child carries the draw, a child (the smallest token) is accepted anyway;
+    draw_per_node     duplicate siblings draw independently and the deeper walk wins (the walk looks at luckier
+                      draws below the duplicates)."""
     rng = random.Random(seed)
+    cache: dict[tuple[int, ...], list[float]] = {}
+
+    def draw(path: tuple[int, ...]) -> int:
+        if path not in cache:
+            cache[path] = target_probs(path, processor).tolist()
+        return rng.choices(range(VS), weights=cache[path])[0]
+
     children: list[list[int]] = [[] for _ in TOY_TOKENS]
     for j in range(1, len(TOY_TOKENS)):
         children[TOY_PARENTS[j]].append(j)
-    cache: dict[tuple[int, ...], list[float]] = {}
+
+    def per_node(node: int, path: tuple[int, ...]) -> list[int]:  # tokens emitted after `node`, deepest walk
+        x = draw(path)
+        best = [x]
+        for c in children[node]:
+            if TOY_TOKENS[c] == x:
+                below = [x] + per_node(c, path + (x,))
+                best = below if len(below) > len(best) else best
+        return best
+
     out = []
     for _ in range(draws):
-        node, path = 0, []
+        if bug == "draw_per_node":
+            out.append(per_node(0, ()))
+            continue
+        path: tuple[int, ...] = ()
         while True:
-            key = tuple(path)
-            if key not in cache:
-                cache[key] = target_probs(key, processor).tolist()
-            p = list(cache[key])
-            tried, acc = set(), None
-            for c in children[node]:
-                x = TOY_TOKENS[c]
-                if x in tried:
-                    continue
-                tried.add(x)
-                accept_p = min(1.0, 2 * p[x]) if bug == "double_accept" else p[x]
-                if rng.random() < accept_p:
-                    acc = c
-                    break
-                p[x] = 0.0
-                if bug != "no_renormalise":
-                    s = sum(p)
-                    p = [v / s for v in p]
-            if acc is None:
-                path.append(rng.choices(range(VS), weights=p)[0])
+            x = draw(path)
+            if path + (x,) not in TOY_PATHS and bug == "accept_unmatched":
+                x = next((p[-1] for p in sorted(TOY_PATHS) if p[:-1] == path), x)
+            if path + (x,) not in TOY_PATHS:
+                out.append(list(path) + [x])
                 break
-            node = acc
-            path.append(TOY_TOKENS[acc])
-        out.append(path)
+            path += (x,)
     return out
 
 
@@ -458,24 +472,67 @@ DRAWS = 20000
 
 @pytest.mark.parametrize("processor", [None, rep_penalty], ids=["raw", "rep_penalty"])
 def test_sampling_is_lossless(processor) -> None:
+    """The first two emitted tokens against their exact distribution (enumerated): on the device (no processor:
+    `verify_sampled`) and in the lazy walk (a processor), on a tree with a duplicate sibling."""
     trees, logits, ctx = toy_batch(DRAWS)
     gen = torch.Generator().manual_seed(2024)
     res = verify_tree(trees, logits, ctx, logits_processor=processor, do_sample=True, generator=gen)
     emitted = res.accepted_tokens(trees)
-    # node 7 hangs under the duplicate sibling and must never be reached
+    # the duplicate sibling (node 3) shares node 1's draws, so node 1's subtree always wins the tie
     assert not (res.accepted_nodes == 3).any() and not (res.accepted_nodes == 7).any()
     lengths = res.accept_length.bincount(minlength=3).tolist()
-    assert all(k > 500 for k in lengths)  # rejections at the root, at depth 1, and full acceptance all happen
+    assert all(k > 500 for k in lengths)  # bonus at the root, at depth 1, and full acceptance all happen
     counts = complete_pairs(emitted, processor, gen)
     exact = exact_pair_distribution(processor)
     assert chi2_pvalue(counts, exact) > 1e-4
-    # the same statistic has the power to reject a subtly wrong verifier
-    for bug in ("double_accept", "no_renormalise"):
-        wrong = complete_pairs(buggy_sampler(processor, bug, DRAWS, seed=7), processor, gen)
+    # the same statistic has the power to reject a wrong walk
+    for bug in ("accept_unmatched", "draw_per_node"):
+        wrong = complete_pairs(reference_walk(processor, bug, DRAWS, seed=7), processor, gen)
         assert chi2_pvalue(wrong, exact) < 1e-6, bug
     # and it accepts the control walk without the bug (the reference itself is right)
-    right = complete_pairs(buggy_sampler(processor, "none", DRAWS, seed=7), processor, gen)
+    right = complete_pairs(reference_walk(processor, "none", DRAWS, seed=7), processor, gen)
     assert chi2_pvalue(right, exact) > 1e-4
+
+
+def first_with_same_path(tokens: list[int], parents: list[int]) -> list[int]:
+    """For each node the smallest node index with the same token path."""
+    paths = [tuple(path_tokens(i, tokens, parents)) for i in range(len(tokens))]
+    return [paths.index(p) for p in paths]
+
+
+def test_lazy_and_device_walks_agree_on_chosen_tokens() -> None:
+    """One rule: given every node's chosen token (logits whose only finite entry is it), the lazy walk of
+    `verify_tree`, greedy or sampling, accepts what `accept_chosen` accepts; sampling takes one draw per distinct
+    path, so duplicates follow the first node with their path."""
+    rng = random.Random(11)
+    vocab = 3  # a small vocabulary: many duplicate siblings and correct paths
+    for _ in range(150):
+        trees, rows, ctxs, chosen_rows = [], [], [], []
+        for _ in range(rng.randint(1, 3)):
+            n = rng.randint(1, 12)
+            parents = [-1] + [rng.randint(0, j - 1) for j in range(1, n)]
+            tokens = [rng.randrange(vocab) for _ in range(n)]
+            chosen = [rng.randrange(vocab) for _ in range(n)]
+            logits = torch.full((n, vocab), float("-inf"))
+            logits[torch.arange(n), torch.tensor(chosen)] = 0.0
+            trees.append(make_tree(tokens, parents))
+            rows.append(logits)
+            ctxs.append(torch.tensor([tokens[0]]))
+            first = first_with_same_path(tokens, parents)
+            chosen_rows.append((chosen, [chosen[first[i]] for i in range(n)]))
+        batch = DraftTreeBatch.stack(trees, num_nodes=max(t.num_nodes for t in trees) + 1)
+        logits = pad_logits(rows, batch.num_nodes)
+        per_node = torch.zeros(batch.tokens.shape, dtype=torch.long)
+        per_path = torch.zeros(batch.tokens.shape, dtype=torch.long)
+        for b, (chosen, shared) in enumerate(chosen_rows):
+            per_node[b, : len(chosen)] = torch.tensor(chosen)
+            per_path[b, : len(shared)] = torch.tensor(shared)
+        identity = lambda ids, s: s  # noqa: E731 - takes the lazy walk
+        assert_same(verify_tree(batch, logits, ctxs, identity), accept_chosen(batch, per_node))
+        assert_same(verify_greedy(batch, logits), accept_chosen(batch, per_node))
+        sampled = accept_chosen(batch, per_path)
+        assert_same(verify_tree(batch, logits, ctxs, identity, do_sample=True), sampled)
+        assert_same(verify_sampled(batch, logits), sampled)
 
 
 def temperature_top_k(input_ids: torch.Tensor, scores: torch.Tensor, temperature=0.7, k=2) -> torch.Tensor:
@@ -501,20 +558,39 @@ def test_sampling_temperature_top_k_first_token() -> None:
     assert chi2_pvalue(counts, expected) > 1e-4
     # accepted first tokens come from node 2 (first tok-1 child) or node 4, never nodes 1, 3 or 5
     assert set(res.accepted_nodes[:, 1].tolist()) <= {-1, 2, 4}
-    # bonus at the root only happens after tok 1 and tok 2 were both rejected: impossible with top-2 {1, 2}
+    # every draw at the root is in the top-2 {1, 2}, and both are children: a draft is always accepted
     assert int((res.accept_length == 0).sum()) == 0
 
 
-def test_sampling_is_reproducible_with_generator() -> None:
+@pytest.mark.parametrize("processor", [None, rep_penalty], ids=["raw", "rep_penalty"])
+def test_sampling_is_reproducible_with_generator(processor) -> None:
     trees, logits, ctx = toy_batch(50)
-    a = verify_tree(trees, logits, ctx, do_sample=True, generator=torch.Generator().manual_seed(3))
-    b = verify_tree(trees, logits, ctx, do_sample=True, generator=torch.Generator().manual_seed(3))
+    a = verify_tree(trees, logits, ctx, processor, do_sample=True, generator=torch.Generator().manual_seed(3))
+    b = verify_tree(trees, logits, ctx, processor, do_sample=True, generator=torch.Generator().manual_seed(3))
     assert_same(a, b)
     assert a.accepted_nodes.shape == (50, 3)
 
 
+def test_sampling_names_a_node_without_a_distribution() -> None:
+    trees = DraftTreeBatch.stack([make_tree([1, 2, 3], [-1, 0, 1])])
+    logits = torch.zeros(1, 3, VS)
+    logits[0, 0] = torch.tensor([float("-inf"), float("-inf"), 0.0, float("-inf")])  # the root chooses 2: node 1
+    for bad in (float("-inf"), float("nan")):
+        broken = logits.clone()
+        broken[0, 1] = bad
+        with pytest.raises(ValueError, match="row 0, node 1 give no valid distribution"):
+            verify_sampled(trees, broken)
+        with pytest.raises(ValueError, match="row 0, node 1 give no valid distribution"):
+            verify_tree(trees, broken, torch.tensor([[1]]), lambda ids, s: s, do_sample=True,
+                        generator=torch.Generator().manual_seed(0))
+    # greedy keeps HF's argmax of such scores (the first entry)
+    broken = logits.clone()
+    broken[0, 1] = float("-inf")
+    check_result(verify_tree(trees, broken, torch.tensor([[1]]), lambda ids, s: s), 0, [0, 1], bonus=0)
+
+
 def test_sampling_with_bf16_logits_and_degenerate_distribution() -> None:
-    # a one-hot target: the draft matching it is always accepted, others always rejected
+    # a one-hot target: every draw is its token, so the draft carrying it is accepted
     tree = make_tree([1, 2, 3, 0], [-1, 0, 0, 2])
     logits = torch.full((1, 4, VS), -30.0, dtype=torch.bfloat16)
     logits[0, 0, 3] = 30.0

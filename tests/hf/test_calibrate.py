@@ -14,8 +14,8 @@ from dart_core import (AcceptanceCurve, DartHead, DartInputError, NGramModel, Tr
                        topk_draft_tokens)
 from dart_core.tree import score_ranks
 from dart_hf import DartCacheWarning
-from dart_hf.calibration import (MachineCost, cached_machine_cost, interpolate, machine_cost, measure_acceptance,
-                                 measure_machine_cost, monotone)
+from dart_core.cost import MachineCost, interpolate, monotone
+from dart_hf.calibration import cached_machine_cost, machine_cost, measure_acceptance, measure_machine_cost
 from dart_hf.controller import controller_for
 from dart_hf.default import DEFAULT_HEAD_DIR, default_head_dtype, load_default
 from helpers.hf_models import oracle_head, random_head, tiny_target
@@ -307,6 +307,8 @@ def test_a_cache_that_cannot_be_written_never_fails_generate(tmp_path, monkeypat
     real = calibrate_module.measure_machine_cost
     monkeypatch.setattr(calibrate_module, "measure_machine_cost",
                         lambda *a, **k: measured.append(1) or real(*a, **{**k, **SMALL_COST}))
+    # the few-row kernels' choices, decided over several calls, have a cache of their own (tests/hf/test_kernel_cache.py)
+    monkeypatch.setattr(calibrate_module, "kernel_choices_path", lambda: tmp_path / "kernels" / "choices.json")
     calibrate_module._WARNED_PATHS.clear()
     with pytest.warns(DartCacheWarning, match="cannot (write|read) its cache"):
         machine_cost(model, head, **SMALL_COST)

@@ -8,6 +8,7 @@ back teaches nothing; and a head whose draft vocabulary cannot fill the tree's t
 import json
 import sys
 import time
+import types
 import warnings
 
 import pytest
@@ -18,8 +19,12 @@ from dart_core import AcceptanceCurve, Eagle3Head, TreeConfig
 from dart_core.config import MAX_TREE_NODES
 from dart_core.errors import DartInputError
 from dart_hf import DartCacheWarning, DartFallbackWarning
-from dart_hf.calibration import MachineCost, identity, save_machine_cost
-from dart_hf.controller import CallPolicy, Mean, PlainClock, SpeedController, choose_tree_size, regime_key
+from dart_core.cost import MachineCost
+from dart_core.speed import Mean, SpeedController, choose_tree_size, regime_key
+from dart_core.step_policy import PLAIN, CallPolicy, TreeStep
+from dart_hf.calibration import identity, save_machine_cost
+from dart_hf.controller import PlainClock
+from dart_hf.learned import LearnedFile
 from dart_hf.loop import NotApplicable
 from dart_hf.target import context_drafting
 from helpers.hf_models import oracle_head, random_head, tiny_target
@@ -50,20 +55,27 @@ def teach(ctrl: SpeedController, step_s: float = 0.004, plain_s: float = 0.010, 
             ctrl.observe_step(key, size, step_s, [[0, 1, 2, 3, 4]] * batch, False)
 
 
+def kept(path, sizes=SIZES, ident=IDENT) -> LearnedFile:
+    """A new process's controller whose learned state lives in `path` (loaded now)."""
+    learned = LearnedFile(SpeedController(sizes, cost(), None, 3), path, ident)
+    learned.load()
+    return learned
+
+
 def learned_file(path, sizes=SIZES, ident=IDENT, **kwargs) -> dict:
     """Write a valid learned state to `path`; its JSON."""
-    ctrl = SpeedController(sizes, cost(), None, 3, path=path, ident=ident)
-    teach(ctrl, **kwargs)
-    ctrl.save(force=True)
+    learned = kept(path, sizes, ident)
+    teach(learned.controller, **kwargs)
+    learned.save(force=True)
     return json.loads(path.read_text())
 
 
-def load(path, sizes=SIZES) -> tuple[SpeedController, list]:
-    """A new process's controller on `path` -> (controller, the DartCacheWarnings its loading gave)."""
+def load(path, sizes=SIZES) -> tuple[LearnedFile, list]:
+    """A new process's controller on `path` -> (its file, the DartCacheWarnings its loading gave)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        ctrl = SpeedController(sizes, cost(), None, 3, path=path, ident=IDENT)
-    return ctrl, cache_warnings(caught)
+        learned = kept(path, sizes)
+    return learned, cache_warnings(caught)
 
 
 # ---- hostile entries: each ignored alone, with one warning, the rest kept -----------------------------------------
@@ -161,10 +173,11 @@ DAMAGES = ["huge int in a tau entry", "huge float in a tau entry", "nan in a tau
 def test_a_bad_entry_is_ignored_with_one_warning_and_the_rest_is_kept(tmp_path, damage):
     path = tmp_path / "x.learned.json"
     raw = learned_file(path)
-    good, _ = load(path)
+    good = load(path)[0].controller
     raw, bad_size, bad_regime = _damage(raw, damage)
     path.write_text(json.dumps(raw).replace(f'"{HUGE}"', "1e400"))
-    ctrl, caught = load(path)
+    learned, caught = load(path)
+    ctrl = learned.controller
     assert len(caught) == 1 and "ignoring" in str(caught[0].message) and str(path) in str(caught[0].message)
     assert all(r in ctrl.sizes for table in ctrl.tau.values() for r in table)
     for sampled in (False, True):  # every good tau entry is kept
@@ -183,7 +196,7 @@ def test_a_bad_entry_is_ignored_with_one_warning_and_the_rest_is_kept(tmp_path, 
         assert best is None or best[0] in ctrl.sizes
     # what is saved again reads back without a warning
     ctrl.dirty = True
-    ctrl.save(force=True)
+    learned.save(force=True)
     assert load(path)[1] == []
 
 
@@ -191,10 +204,10 @@ def test_a_bad_entry_is_ignored_with_one_warning_and_the_rest_is_kept(tmp_path, 
 def test_a_file_nested_too_deeply_to_read_is_ignored_with_one_warning(tmp_path, text):
     path = tmp_path / "x.learned.json"
     path.write_text(text)
-    ctrl, caught = load(path)
-    assert len(caught) == 1 and ctrl.regimes == {}
-    teach(ctrl)
-    ctrl.save(force=True)  # the file is replaced
+    learned, caught = load(path)
+    assert len(caught) == 1 and learned.controller.regimes == {}
+    teach(learned.controller)
+    learned.save(force=True)  # the file is replaced
     assert load(path)[1] == []
 
 
@@ -202,15 +215,17 @@ def test_a_file_learned_with_larger_trees_does_not_steer_a_smaller_controller(tm
     path = tmp_path / "x.learned.json"
     learned_file(path, step_s=0.001)  # 60-node trees, fast: tau(60) / step(60) beats every small tree
     large, caught = load(path)
+    large = large.controller
     assert caught == [] and large.best((1, 256), False)[0] > 3
-    small, caught = load(path, sizes=(1, 2, 3))
+    small_file, caught = load(path, sizes=(1, 2, 3))
+    small = small_file.controller
     assert len(caught) == 1 and "tree sizes" in str(caught[0].message)
     assert set(small.tau[False]) <= {1, 2, 3} and small.tau[False][3] == large.tau[False][3]
     assert small.best((1, 256), False)[0] in (1, 2, 3)
     small.observe_step((1, 256), 3, 0.002, [[0, 1]], False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        small.save(force=True)  # its save merges the file without warning again
+        small_file.save(force=True)  # its save merges the file without warning again
     assert cache_warnings(caught) == []
 
 
@@ -219,37 +234,39 @@ def test_a_file_learned_with_larger_trees_does_not_steer_a_smaller_controller(tm
 def test_a_file_replaced_under_a_running_controller_is_replaced_again_by_its_save(tmp_path):
     path = tmp_path / "x.learned.json"
     learned_file(path)
-    ctrl, _ = load(path)
+    learned = load(path)[0]
+    ctrl = learned.controller
     path.write_text("[" * 100000 + "]" * 100000)  # another process (or a person) wrote this meanwhile
     ctrl.observe_step((1, 256), 4, 0.003, [[0]], False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        ctrl.save(force=True)
+        learned.save(force=True)
         ctrl.observe_step((1, 256), 4, 0.003, [[0]], False)
         path.write_text('{"version": 1, "identity": {"k": 1}, "tau": 7, "regimes": []}')
-        ctrl.save(force=True)
+        learned.save(force=True)
     assert len(cache_warnings(caught)) == 1  # one warning for the controller's file
-    assert load(path)[0].regimes[(1, 256)] == ctrl.regimes[(1, 256)]
+    assert load(path)[0].controller.regimes[(1, 256)] == ctrl.regimes[(1, 256)]
 
 
 def test_a_save_that_fails_in_any_way_warns_once_and_keeps_the_state(tmp_path, monkeypatch):
     path = tmp_path / "x.learned.json"
     learned_file(path)
-    ctrl, _ = load(path)
+    learned = load(path)[0]
+    ctrl = learned.controller
 
     def broken(*args, **kwargs):
         raise TypeError("not serialisable")
 
-    monkeypatch.setattr(controller_module, "write_cache_file", broken)
+    monkeypatch.setattr(sys.modules["dart_hf.learned"], "write_cache_file", broken)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(3):
             ctrl.observe_step((1, 256), 4, 0.003, [[0]], False)
-            ctrl.save(force=True)
+            learned.save(force=True)
     assert len(cache_warnings(caught)) == 1 and ctrl.dirty  # kept, to be written by a later save
     monkeypatch.undo()
-    ctrl.save(force=True)
-    assert not ctrl.dirty and load(path)[0].regimes[(1, 256)] == ctrl.regimes[(1, 256)]
+    learned.save(force=True)
+    assert not ctrl.dirty and load(path)[0].controller.regimes[(1, 256)] == ctrl.regimes[(1, 256)]
 
 
 # ---- in generate(): what a file holds never fails a call -----------------------------------------------------------
@@ -274,9 +291,9 @@ def learned_path(model, head):
 def write_learned(model, head, damage=None, step_s=0.002) -> None:
     """A learned state for `head` on `model` (tau from 60-node trees), with one entry damaged."""
     path = learned_path(model, head)
-    ctrl = SpeedController(SIZES, cost(), None, 3, path=path, ident=identity(model, head))
-    teach(ctrl, step_s=step_s)
-    ctrl.save(force=True)
+    learned = kept(path, ident=identity(model, head))
+    teach(learned.controller, step_s=step_s)
+    learned.save(force=True)
     raw = json.loads(path.read_text())
     if damage == "huge int":
         raw["regimes"]["1x256"]["steps"]["60"] = [10 ** 400, 5.0]
@@ -313,7 +330,7 @@ def test_a_negative_size_never_fails_an_attached_call(tmp_path, monkeypatch):
     write_learned(model, head, "size -3", step_s=0.05)
     out, caught = generate_all(dart_hf.enable(model, head))
     assert torch.equal(out, plain) and len(cache_warnings(caught)) == 1
-    assert all(size is None or size >= 0 for size in model.dart_stats.tree_sizes)
+    assert all(size >= 0 for size in model.dart_stats.tree_sizes)
 
 
 def test_a_file_from_larger_trees_never_steers_past_the_tree_cap(tmp_path, monkeypatch):
@@ -321,7 +338,7 @@ def test_a_file_from_larger_trees_never_steers_past_the_tree_cap(tmp_path, monke
     write_learned(model, head, step_s=0.0005)  # learned with 60-node trees (the identity ignores remain_total)
     out, caught = generate_all(dart_hf.enable(model, False), dart_head=head)
     assert torch.equal(out, plain) and len(cache_warnings(caught)) == 1
-    assert max(size or 0 for size in model.dart_stats.tree_sizes) <= 3
+    assert max(model.dart_stats.tree_sizes) <= 3
 
 
 def test_a_file_replaced_under_a_running_process_never_loses_a_calls_output(tmp_path, monkeypatch):
@@ -333,7 +350,7 @@ def test_a_file_replaced_under_a_running_process_never_loses_a_calls_output(tmp_
     path = learned_path(model, head)
     path.write_text("[" * 100000 + "]" * 100000)
     ctrl = controller_module.existing_controller(attached, head, store=True)
-    ctrl.last_save = -1e9  # the next call's save is due
+    controller_module.learned_file(ctrl).last_save = -1e9  # the next call's save is due
     out, caught = generate_all(attached)
     assert torch.equal(out, plain) and len(cache_warnings(caught)) == 1
     assert json.loads(path.read_text())["identity"] == identity(model, head)  # replaced by the process's state
@@ -344,7 +361,8 @@ def test_a_file_replaced_under_a_running_process_never_loses_a_calls_output(tmp_
 @pytest.mark.parametrize("seconds", [0.0, -0.003, float("nan"), float("inf"), -float("inf")])
 def test_a_step_time_that_is_not_positive_and_finite_is_not_learned(tmp_path, seconds):
     path = tmp_path / "x.learned.json"
-    ctrl = SpeedController(SIZES, cost(), None, 3, path=path, ident=IDENT)
+    learned = kept(path)
+    ctrl = learned.controller
     key = regime_key(1, 100)
     ctrl.regime(1, 100)
     for _ in range(4):
@@ -353,7 +371,7 @@ def test_a_step_time_that_is_not_positive_and_finite_is_not_learned(tmp_path, se
     regime = ctrl.regimes[key]
     assert regime.plain.weight == 0 and regime.scale.weight == 0 and all(m.weight == 0 for m in regime.steps.values())
     assert ctrl.tau_of(False)[8] == pytest.approx(3.0)  # what the steps accepted is still learned
-    ctrl.save(force=True)
+    learned.save(force=True)
     assert load(path)[1] == []  # and the next process reads all of it
 
 
@@ -364,9 +382,11 @@ def test_a_stalled_clock_never_divides_by_zero():
         policy = CallPolicy(lambda: ctrl, may_go_plain=attached)
         policy.begin(False)
         for _ in range(40):
-            size = policy.tree_size(1, 100)
-            assert 0 <= size <= ctrl.max_size
-            policy.observe(size, 1, 100, 0.0, [[0, 1]] if size else [[]])
+            decision = policy.decide(1, 100)
+            assert decision == PLAIN or 1 <= decision.nodes <= ctrl.max_size
+            step = types.SimpleNamespace(batch_size=1, context_length=100, seconds=0.0,
+                                         ranks=[[0, 1]] if isinstance(decision, TreeStep) else [[]])
+            policy.observe(decision, step)
     assert choose_tree_size({1: 1.5, 4: 2.0}, {1: 0.0, 4: 0.01}, 0.0)[0] == 4  # a zero step time is no estimate
     with pytest.raises(ValueError, match="no tree size"):
         choose_tree_size({1: 1.5}, {1: 0.0}, 0.01)
@@ -408,13 +428,15 @@ def test_plain_calls_timed_by_a_bad_clock_teach_nothing_wrong(monkeypatch, times
 
 def test_a_clock_that_steps_back_mid_call_leaves_a_file_the_next_process_reads_whole(tmp_path):
     path = tmp_path / "x.learned.json"
-    ctrl = SpeedController(SIZES, cost(), None, 3, path=path, ident=IDENT)
+    learned = kept(path)
+    ctrl = learned.controller
     teach(ctrl)
     key = regime_key(1, 100)
     ctrl.observe_step(key, 60, -3600.0, [[0]], False)  # the clock went back an hour during this step
     ctrl.observe_plain(key, -3600.0)
-    ctrl.save(force=True)
+    learned.save(force=True)
     fresh, caught = load(path)
+    fresh = fresh.controller
     assert caught == [] and fresh.regimes[key].steps[60].value == pytest.approx(0.004)
     assert fresh.regimes[key].plain.value == pytest.approx(0.010)
 

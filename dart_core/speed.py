@@ -1,0 +1,468 @@
+"""The speed rule: which tree each DART step verifies, decided from what DART measures while it runs, so that DART is
+never slower than plain decoding. Framework-free and without I/O: the estimates and the choice (`SpeedController`),
+what one call asks of them (`dart_core.step_policy.CallPolicy`); what is learned is kept by the integration
+(`dart_hf.learned`), and measured priors come from `dart_hf.calibration`.
+
+What is estimated, per target, head and machine setting (device, dtype, threads):
+
+- tau(R): the tokens a verify step yields per sequence with a tree of R draft nodes (the bonus token included). It
+  depends on the head, the target and the text, not on the machine or the batch, so one estimate serves every regime
+  (kept apart for greedy and sampled calls). A step verified with a tree of R nodes also tells what a tree of any
+  r <= R would have accepted from the same state (the leading accepted nodes of selection rank < r,
+  `dart_core.acceptance`), so every step updates tau(r) for all r <= R. Prior: the head's shipped acceptance curve,
+  counted as `PRIOR_TAU_WEIGHT` steps; a head without one learns it from its own calls.
+- Per regime, a (batch size, context length) bucket (`regime_key`): the seconds of one plain step (`Regime.plain`,
+  from the calls' own plain steps and from plain `generate()` calls, timed per step) and of one DART step at each
+  tree size (`Regime.steps`). A tree size never timed in a regime is predicted from the line through the timed sizes'
+  (rows verified, seconds), a batch of B verifying B x (R + 1) rows (`fit_line`; until two timed sizes span enough
+  rows, through the plain step too). Where a calibrated `MachineCost` exists, an untimed size is predicted as
+  `Regime.scale` (observed over predicted) x (head + search + rest of a step + t_verify(B x (R + 1))), unless the
+  timed sizes show that prediction's shape is wrong (a measurement taken under load is bent, not only scaled): then
+  the line again.
+
+Every estimate is a running mean whose older observations fade (`Mean`), so a machine whose load or speed changes is
+followed within a few steps.
+
+The choice (`choose_tree_size`): R* = argmax over tree sizes with known tau of tau(R) / t_step(R) (ties: the smaller
+R); expected speedup over plain = tau(R*) x t_plain / t_step(R*). Small trees first: a regime's first DART steps take
+the controller's `start_size` (for a head, at most `FIRST_ROWS` rows a sequence), and a size not yet timed there is
+taken only up to `LADDER` times the rows of the largest timed one (`SpeedController.tryable`), so a call climbs to a
+large tree through timed smaller ones and never pays for a large one an estimate merely extrapolated. How a call
+explores, measures plain decoding and falls back: `dart_core.step_policy`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import statistics
+import threading
+import time
+from typing import Iterable, Optional
+
+from dart_core.acceptance import accepted_within
+from dart_core.config import AcceptanceCurve, TreeConfig
+from dart_core.cost import MachineCost, monotone
+
+# ---- the constants of the rule -----------------------------------------------------------------------------------
+# None of these encodes a machine fact: they set how fast estimates follow the machine and how much evidence a
+# decision needs.
+STEP_DECAY = 0.85  # step and plain-step seconds rest on about 1 / (1 - 0.85) = 7 recent observations
+TAU_DECAY = 0.98  # tau(R) rests on about 50 recent sequence-steps (acceptance varies with the text step by step)
+PRIOR_TAU_WEIGHT = 4.0  # the shipped acceptance curve counts as 4 sequence-steps: a call's own steps soon outweigh it
+FIRST_PLAIN = 3  # a regime's plain cost starts as the median of its first 3 timed plain steps (one may be an outlier)
+MIN_PLAIN_WEIGHT = 1.0  # ... and DART steps start there once it has that median (or a timed plain call's)
+MIN_TAU_WEIGHT = 3.0  # a tree size is chosen only once tau there rests on 3 sequence-steps (or the prior)
+WINDOW = 4  # DART steps a call makes in a regime before the estimates may send it plain there
+EXPLORE_EVERY = 8  # every 8th step of a regime tries a neighbouring tree size
+PLAIN_EVERY = 64  # every 64th step of a regime (attached heads) is a plain step, refreshing plain's cost
+FIRST_PROBE_AFTER, MAX_PROBE_AFTER = 2, 64  # plain calls in a plain regime before DART is tried again (doubling)
+OUTLIER = 2.0  # a step time above twice its estimate counts as twice (`Mean.add_robust`)
+SHAPE_TOLERANCE = 1.3  # timed / predicted step ratios within 30% of each other: a calibrated cost's shape holds
+MIN_FIT_SPAN = 1.5  # a line through timed steps needs verified row counts that differ by half
+FIRST_ROWS = 4  # small trees first: a drafter that fills its trees starts a regime at <= 4 rows a sequence (3 nodes)
+LADDER = 2.0  # a size not timed in a regime is tried only up to twice the rows a sequence of the largest one timed
+CONTEXT_BUCKET_MIN = 256  # contexts up to 256 positions share a regime; above, one regime per power of two
+# no step of a decoding loop takes a day; no ratio of observed to predicted step time is beyond a million either way
+MAX_STEP_S = 86400.0
+SCALE_RANGE = (1e-6, 1e6)
+
+
+def finite(value) -> Optional[float]:
+    """`value` as a float when it is a finite real number (not a bool; not an int too large for a float), else None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        out = float(value)
+    except OverflowError:
+        return None
+    return out if math.isfinite(out) else None
+
+
+def step_seconds_ok(seconds) -> bool:
+    """Whether `seconds` can be a step's time: finite, > 0 and below `MAX_STEP_S` (a clock that stalls, is coarser
+    than a step or steps back gives 0 or less: such a time is dropped, never learned)."""
+    value = finite(seconds)
+    return value is not None and 0.0 < value <= MAX_STEP_S
+
+
+# ---- running estimates ----------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Mean:
+    """A running mean whose observations fade: adding one with `decay` multiplies the weight of the older ones by it."""
+
+    total: float = 0.0
+    weight: float = 0.0
+
+    def add(self, value: float, decay: float, weight: float = 1.0) -> None:
+        if finite(value) is None or finite(weight) is None:  # NaN or infinity would poison the mean for good
+            return
+        self.total = self.total * decay + value * weight
+        self.weight = self.weight * decay + weight
+
+    def add_robust(self, value: float, decay: float) -> None:
+        """`add`, an observation above `OUTLIER` times the mean counting as that (one slow spell of the machine moves
+        the estimate by a bounded step; a lasting change is followed within a few observations)."""
+        mean = self.value
+        self.add(value if mean is None or self.weight < 1.0 else min(value, OUTLIER * mean), decay)
+
+    @property
+    def value(self) -> Optional[float]:
+        return self.total / self.weight if self.weight > 0 else None
+
+    def to_list(self) -> list[float]:
+        return [self.total, self.weight]
+
+
+def fit_line(points: list[tuple[float, float, float]]) -> Optional[tuple[float, float]]:
+    """(a, b) of the weighted least-squares line y = a + b x with b >= 0 through `points` [(x, y, weight)], or None
+    unless the xs span `MIN_FIT_SPAN` (a ratio of largest to smallest x: two close sizes say little of a slope)."""
+    if len(points) < 2 or max(x for x, _, _ in points) < MIN_FIT_SPAN * min(x for x, _, _ in points):
+        return None
+    w = sum(p[2] for p in points)
+    mx, my = (sum(p[i] * p[2] for p in points) / w for i in (0, 1))
+    sxx = sum(wt * (x - mx) ** 2 for x, _, wt in points)
+    b = max(sum(wt * (x - mx) * (y - my) for x, y, wt in points) / sxx, 0.0)
+    return my - b * mx, b
+
+
+def bucket(n: int, minimum: int = 1) -> int:
+    """The power of two >= n (at least `minimum`)."""
+    out = minimum
+    while out < n:
+        out *= 2
+    return out
+
+
+def regime_key(batch_size: int, context_length: int) -> tuple[int, int]:
+    """(batch bucket, context bucket): a step of `batch_size` sequences over `context_length` cache positions."""
+    return bucket(max(batch_size, 1)), bucket(context_length, CONTEXT_BUCKET_MIN)
+
+
+class Mode(str, enum.Enum):
+    """How a regime's attached calls run: DART, PLAIN (plain generate() until a probe), or, for one call, PROBE (DART
+    again in a plain regime)."""
+
+    DART = "dart"
+    PLAIN = "plain"
+    PROBE = "probe"
+
+
+@dataclasses.dataclass
+class Regime:
+    """What steps cost in one regime on this machine, and whether DART runs there."""
+
+    plain: Mean = dataclasses.field(default_factory=Mean)  # seconds of one plain step
+    steps: dict = dataclasses.field(default_factory=dict)  # tree size -> Mean of seconds of one DART step
+    scale: Mean = dataclasses.field(default_factory=Mean)  # observed / predicted DART step time
+    mode: Mode = Mode.DART  # DART, or PLAIN: attached calls starting here run plain until a probe
+    probe_after: int = FIRST_PROBE_AFTER  # plain calls before the next probe
+    plain_calls: int = 0  # plain calls since the last probe
+    updated: float = 0.0  # wall-clock time of the last change (merging keeps the newer regime)
+    count: int = 0  # steps seen here in this process (the exploration schedule; not saved)
+    first_plain: list = dataclasses.field(default_factory=list)  # timed plain steps before `plain` has any (not saved)
+
+    def timed(self) -> dict:
+        """{tree size: Mean of its step seconds} for the sizes with a timed DART step here."""
+        return {r: m for r, m in self.steps.items() if m.weight > 0}
+
+
+# ---- the rule ---------------------------------------------------------------------------------------------------
+
+def choose_tree_size(tau: dict[int, float], step_s: dict[int, float], plain_s: Optional[float]
+                     ) -> tuple[int, list[dict]]:
+    """R* = argmax_R tau(R) / step_s(R) over the sizes both know (ties: the smaller R) -> (R*, one row per such R:
+    {remain_total, tau, step_ms, tokens_per_s, speedup}); speedup = tau x plain_s / step_s (None without plain_s).
+    tau {R: tokens per sequence and step}; step_s {R: seconds of one step}; plain_s: seconds of one plain step.
+    A size whose tau is not a finite number or whose step time is not finite and > 0 is no estimate (left out); a
+    plain time that is not is unknown (None)."""
+    rows = []
+    if not (finite(plain_s) or 0.0) > 0.0:
+        plain_s = None
+    for r in sorted(set(tau) & set(step_s)):
+        if finite(tau[r]) is None or not (finite(step_s[r]) or 0.0) > 0.0:
+            continue
+        rate = tau[r] / step_s[r]
+        rows.append({"remain_total": r, "tau": tau[r], "step_ms": step_s[r] * 1e3, "tokens_per_s": rate,
+                     "speedup": None if plain_s is None else rate * plain_s})
+    if not rows:
+        raise ValueError("no tree size has both a tau and a step time")
+    best = max(rows, key=lambda row: (row["tokens_per_s"], -row["remain_total"]))
+    return best["remain_total"], rows
+
+
+@dataclasses.dataclass
+class TreeChoice:
+    """The tree size the controller would choose now for one regime: `remain_total`, its `tree_config`, the
+    `expected_speedup` over plain decoding (None while plain's cost there is unknown), one row per tree size
+    (`choose_tree_size`), the regime (batch bucket, context bucket) and the calibrated cost, if any."""
+
+    remain_total: int
+    tree_config: TreeConfig
+    expected_speedup: Optional[float]
+    rows: list[dict]
+    regime: tuple[int, int]
+    plain_ms: Optional[float]
+    cost: Optional[MachineCost]
+
+    @property
+    def pays(self) -> bool:
+        """Whether DART is expected to beat plain decoding here (True while plain's cost is unknown)."""
+        return self.expected_speedup is None or self.expected_speedup > 1.0
+
+    def summary(self) -> str:
+        """One line: the choice and the numbers behind it."""
+        row = next(r for r in self.rows if r["remain_total"] == self.remain_total)
+        plain = "plain step not measured yet" if self.plain_ms is None else f"one plain step {self.plain_ms:.1f} ms"
+        expected = "" if self.expected_speedup is None else f", expected {self.expected_speedup:.2f}x over plain"
+        return (f"tree of {self.remain_total} draft nodes{expected} ({plain}; a step with this tree "
+                f"{row['step_ms']:.1f} ms for tau {row['tau']:.2f}; batch <= {self.regime[0]}, context <= "
+                f"{self.regime[1]})")
+
+    def format_table(self) -> str:
+        """A plain-text table: the calibrated latency curve (if any), then tau, step time and expected speedup per
+        size."""
+        lines = []
+        cost = self.cost
+        if cost is not None:
+            lines += [f"target forward over k new tokens on a {cost.context_length}-token cache (median ms, first "
+                      "call):", "  " + "  ".join(f"k={k}: {ms:.1f}" for k, ms in sorted(cost.verify_ms.items())),
+                      f"plain 1-token forward {cost.plain_ms:.1f} ms; per step: head {cost.head_ms:.1f} ms, "
+                      f"tree search {cost.tree_ms:.1f} ms, acceptance + KV compaction {cost.rest_ms:.1f} ms"]
+        lines.append(f"{'nodes':>5} {'tau':>6} {'step ms':>8} {'tok/s':>7} {'speedup':>7}")
+        for row in self.rows:
+            mark = "  <- chosen" if row["remain_total"] == self.remain_total else ""
+            speedup = "    n/a" if row["speedup"] is None else f"{row['speedup']:6.2f}x"
+            lines.append(f"{row['remain_total']:5d} {row['tau']:6.3f} {row['step_ms']:8.1f} "
+                         f"{row['tokens_per_s']:7.1f} {speedup}{mark}")
+        return "\n".join(lines)
+
+
+# ---- the controller  ---------------------------------------------------------------------------------------------
+
+class SpeedController:
+    """The estimates for one target, head and machine setting, and the choices made from them (thread-safe).
+
+    `sizes`: the tree sizes it chooses among; `cost`: a calibrated `MachineCost` (None: untimed sizes are predicted
+    from the timed ones); `curve`: the head's shipped acceptance curve (or None);
+    `start_size`: a regime's first tree. `dirty`: something was learned since the state was last kept (persistence
+    lives outside: `dart_hf.learned`)."""
+
+    def __init__(self, sizes: Iterable[int], cost: Optional[MachineCost], curve: Optional[AcceptanceCurve],
+                 start_size: int) -> None:
+        self.sizes = sorted(set(int(r) for r in sizes))
+        if not self.sizes or self.sizes[0] < 1:
+            raise ValueError("a controller needs tree sizes >= 1")
+        self.cost = cost
+        self.start_size = min(max(start_size, 1), self.sizes[-1])
+        self.lock = threading.RLock()
+        self.tau: dict[bool, dict[int, Mean]] = {False: {}, True: {}}  # sampled -> size -> tokens per sequence-step
+        self.tau_updated: dict[bool, float] = {False: 0.0, True: 0.0}
+        if curve is not None:
+            for sampled in (False, True):
+                for r in self.sizes:
+                    known = [s for s in curve.tau if s <= r]
+                    if known:  # a size between the curve's sizes takes the tau of the largest size below it
+                        self.tau[sampled][r] = Mean(curve.tau[max(known)] * PRIOR_TAU_WEIGHT, PRIOR_TAU_WEIGHT)
+        self.regimes: dict[tuple[int, int], Regime] = {}
+        self.warned: set[tuple[int, int]] = set()
+        self.warm: set[tuple] = set()  # (regime key, size) timed once in this process (0: plain)
+        self.dirty = False
+
+    @property
+    def max_size(self) -> int:
+        return self.sizes[-1]
+
+    # -- estimates --
+
+    def regime(self, batch_size: int, context_length: int) -> Regime:
+        """The regime of a step (where a calibrated cost says no tree pays, it starts plain)."""
+        key = regime_key(batch_size, context_length)
+        regime = self.regimes.get(key)
+        if regime is None:
+            regime = self.regimes[key] = Regime()
+            expected = self.expected(key, False, anywhere=True)
+            if expected is not None and expected < 1.0:
+                regime.mode = Mode.PLAIN
+        return regime
+
+    def plain_s(self, key: tuple[int, int]) -> Optional[float]:
+        """Seconds of one plain step in regime `key`: timed there, else a calibrated cost's where that is the regime
+        it measured (until a real plain step is timed there), else None."""
+        timed = self.regimes[key].plain.value
+        if timed is not None or self.cost is None or key != regime_key(1, self.cost.context_length):
+            return timed
+        return self.cost.plain_ms / 1e3
+
+    def prior_step_s(self, key: tuple[int, int], size: int) -> Optional[float]:
+        """A calibrated cost's prediction of one DART step at `size` in regime `key` (None without one)."""
+        if self.cost is None:
+            return None
+        return (self.cost.fixed_ms + self.cost.verify_at(key[0] * (size + 1))) / 1e3
+
+    def step_s(self, key: tuple[int, int], size: int) -> Optional[float]:
+        """Seconds of one DART step at `size` in regime `key`: timed there; else the prior times the regime's scale,
+        unless the timed sizes show the prior's shape is wrong there (their timed / prior ratios differ by more than
+        `SHAPE_TOLERANCE`: a measurement taken under load is bent, not only scaled) and span enough verified
+        rows: then the line through (rows verified, seconds) of the timed sizes (`fit_line`)."""
+        regime = self.regimes[key]
+        timed = regime.timed()
+        if size in timed:
+            return timed[size].value
+        points = [(key[0] * (r + 1), m.value, m.weight) for r, m in timed.items()]  # (rows verified, seconds, weight)
+        prior = self.prior_step_s(key, size)
+        if prior is None:  # no measured cost: the line through the timed sizes (and the plain step, until two span)
+            plain = regime.plain.value
+            line = fit_line(points)
+            if line is None and plain is not None:
+                line = fit_line(points + [(key[0], plain, regime.plain.weight)])
+            return None if line is None else max(line[0] + line[1] * key[0] * (size + 1), 1e-9)
+        ratios = [m.value / self.prior_step_s(key, r) for r, m in timed.items()]
+        if len(ratios) >= 2 and max(ratios) > SHAPE_TOLERANCE * min(ratios):
+            line = fit_line(points)
+            if line is not None:
+                return max(line[0] + line[1] * key[0] * (size + 1), 1e-9)
+        return prior * (regime.scale.value or 1.0)
+
+    def tau_of(self, sampled: bool) -> dict[int, float]:
+        """{size: tau} for the sizes whose estimate rests on enough evidence, made non-decreasing in the size (a
+        larger tree holds every smaller one: a dip is noise)."""
+        return monotone({r: m.value for r, m in self.tau[sampled].items() if m.weight >= MIN_TAU_WEIGHT})
+
+    def tryable(self, key: tuple[int, int]) -> list[int]:
+        """The tree sizes regime `key` may take (small trees first): those timed there, and untimed ones up to the
+        start size until a DART step is timed there, then up to `LADDER` times the rows of the largest size timed."""
+        timed = self.regimes[key].timed()
+        reach = self.start_size if not timed else LADDER * (max(timed) + 1) - 1
+        return [r for r in self.sizes if r <= reach or r in timed]
+
+    def best(self, key: tuple[int, int], sampled: bool, anywhere: bool = False) -> Optional[tuple[int, list[dict]]]:
+        """(R*, rows) in regime `key` (`choose_tree_size`) over the sizes it may take (`tryable`; `anywhere`: over
+        every size), or None while no such size has both estimates."""
+        tau = self.tau_of(sampled)
+        sizes = set(self.sizes if anywhere else self.tryable(key))
+        steps = {r: s for r in tau if r in sizes and (s := self.step_s(key, r)) is not None
+                 and (finite(s) or 0.0) > 0.0}
+        if not steps:
+            return None
+        return choose_tree_size(tau, steps, self.plain_s(key))
+
+    def expected(self, key: tuple[int, int], sampled: bool, anywhere: bool = False) -> Optional[float]:
+        """The expected speedup of the best tree over plain in regime `key` (`best`; None while either is unknown)."""
+        best = self.best(key, sampled, anywhere)
+        if best is None:
+            return None
+        return next(row for row in best[1] if row["remain_total"] == best[0])["speedup"]
+
+    def cold(self, key: tuple[int, int], size: int) -> bool:
+        """Whether this is the first step of `size` (0: plain) timed in regime `key` in this process: its time
+        holds one-off costs (new shapes, the few-row kernels' trial) and is not taken."""
+        if (key, size) in self.warm:
+            return False
+        self.warm.add((key, size))
+        return True
+
+    def observe_plain(self, key: tuple[int, int], seconds: float, cold_ok: bool = False) -> None:
+        """A plain step took `seconds` in regime `key` (`cold_ok`: a median of several, no one-off costs); a time
+        that is not a step's (`step_seconds_ok`: a clock that stalled or stepped back) is dropped."""
+        with self.lock:
+            regime = self.regimes[key] if key in self.regimes else self.regime(*key)
+            if (self.cold(key, 0) and not cold_ok) or not step_seconds_ok(seconds):
+                return
+            if regime.plain.weight == 0 and not cold_ok:  # the first single steps: their median (`FIRST_PLAIN`)
+                regime.first_plain.append(seconds)
+                if len(regime.first_plain) < FIRST_PLAIN:
+                    return
+                seconds = statistics.median(regime.first_plain)
+                regime.first_plain.clear()
+            regime.plain.add_robust(seconds, STEP_DECAY)
+            regime.updated, self.dirty = time.time(), True
+
+    def observe_step(self, key: tuple[int, int], size: int, seconds: float, ranks: list[list[int]],
+                     sampled: bool) -> None:
+        """A DART step at `size` took `seconds` and accepted nodes of `ranks` (per sequence); a time that is not a
+        step's (`step_seconds_ok`: a clock that stalled or stepped back) is dropped, what the step accepted is not."""
+        with self.lock:
+            regime = self.regimes[key]
+            if not self.cold(key, size) and step_seconds_ok(seconds):
+                regime.steps.setdefault(size, Mean()).add_robust(seconds, STEP_DECAY)
+                prior = self.prior_step_s(key, size)
+                ratio = None if prior is None else finite(seconds / prior)
+                if ratio is not None and SCALE_RANGE[0] <= ratio <= SCALE_RANGE[1]:
+                    regime.scale.add_robust(ratio, STEP_DECAY)
+            table = self.tau[sampled]
+            for row in ranks:
+                for r in self.sizes:
+                    if r > size:
+                        break
+                    table.setdefault(r, Mean()).add(1.0 + accepted_within(row, r), TAU_DECAY)
+            regime.updated = self.tau_updated[sampled] = time.time()
+            self.dirty = True
+
+    # -- calls --
+
+    def call_mode(self, batch_size: int, context_length: int) -> tuple[Mode, Optional[str]]:
+        """How an attached head's call that starts in this regime runs: (DART | PROBE | PLAIN, the warning to
+        give for a plain call, once per regime, else None)."""
+        with self.lock:
+            key = regime_key(batch_size, context_length)
+            regime = self.regime(batch_size, context_length)
+            if regime.mode == Mode.DART:
+                return Mode.DART, None
+            regime.plain_calls += 1
+            regime.updated, self.dirty = time.time(), True
+            if regime.plain_calls >= regime.probe_after:
+                regime.plain_calls = 0
+                return Mode.PROBE, None
+            return Mode.PLAIN, self.fallback_message(key, False)
+
+    def fallback_message(self, key: tuple[int, int], sampled: bool) -> Optional[str]:
+        """The one warning of a regime where DART runs plain, with the numbers (None once given)."""
+        if key in self.warned:
+            return None
+        self.warned.add(key)
+        best = self.best(key, sampled)
+        regime = self.regimes[key]
+        where = f"batch <= {key[0]}, context <= {key[1]} positions"
+        later = max(regime.probe_after - regime.plain_calls, 1)
+        plain = self.plain_s(key)
+        if best is None or plain is None:
+            return f"DART is not expected to beat plain decoding on this machine ({where}); calls here run plain"
+        row = next(r for r in best[1] if r["remain_total"] == best[0])
+        return (f"DART does not beat plain decoding on this machine ({where}): its best tree, {best[0]} draft "
+                f"nodes, is estimated at {row['tau']:.2f} tokens per {row['step_ms']:.1f} ms step against "
+                f"{plain * 1e3:.1f} ms per plain token ({row['speedup']:.2f}x); calls here run plain, "
+                f"and DART is tried again after {later} of them")
+
+    def set_plain(self, key: tuple[int, int], probing: bool) -> None:
+        """Attached calls that start in regime `key` run plain from now on, until a probe (a probe that lost, and so
+        `probing`, waits twice as long before the next)."""
+        regime = self.regimes[key]
+        regime.probe_after = min(2 * regime.probe_after, MAX_PROBE_AFTER) if probing and regime.mode == Mode.PLAIN \
+            else FIRST_PROBE_AFTER
+        regime.mode, regime.plain_calls = Mode.PLAIN, 0
+        regime.updated, self.dirty = time.time(), True
+
+    def set_dart(self, key: tuple[int, int]) -> None:
+        """Attached calls that start in regime `key` run DART again (a call showed that DART pays there)."""
+        regime = self.regimes[key]
+        regime.mode, regime.probe_after, regime.plain_calls = Mode.DART, FIRST_PROBE_AFTER, 0
+        regime.updated, self.dirty = time.time(), True
+
+    def choice(self, base: TreeConfig, batch_size: int = 1, context_length: int = 1,
+               sampled: bool = False) -> Optional[TreeChoice]:
+        """The best tree by the estimates now in that regime, wherever it lies (a call reaches it through smaller
+        trees first, `tryable`); None while no size has both estimates."""
+        with self.lock:
+            key = regime_key(batch_size, context_length)
+            self.regime(batch_size, context_length)
+            best = self.best(key, sampled, anywhere=True)
+            if best is None:
+                return None
+            size, rows = best
+            plain = self.plain_s(key)
+            return TreeChoice(size, dataclasses.replace(base, remain_total=size),
+                              next(r for r in rows if r["remain_total"] == size)["speedup"], rows, key,
+                              None if plain is None else plain * 1e3, self.cost)

@@ -1,0 +1,197 @@
+"""What each verify step of a call does, as a typed decision (`TreeStep`, `PLAIN`, `LAST_TOKEN`), and the policies
+that decide it (`StepPolicy`): a fixed tree (`FixedTree`) or the speed rule (`CallPolicy`, over a
+`dart_core.speed.SpeedController`). Framework-free: a decoding loop asks `decide` before every step and hands the
+step's outcome to `observe`.
+
+How a call uses the speed rule (`CallPolicy`): each step takes the best tree R* of its regime by the estimates, except
+that every `EXPLORE_EVERY`-th step of a regime tries a neighbouring size (up and down in turn: a larger tree also
+measures tau above R*), and, for an attached head, a regime's first steps (until plain's cost there starts, as the
+median of `FIRST_PLAIN` timed plain steps) and every `PLAIN_EVERY`-th one are plain steps, which measure plain
+decoding there.
+
+Falling back, for an attached head (`dart_hf.enable(model, head)`): once a call has made `WINDOW` DART steps in a
+regime, whenever the expected speedup there is below 1 and so is the rate of the call's last `WINDOW` steps, the call
+finishes that regime plain (the roots alone, one token per sequence and step, exactly as plain decoding decides it),
+and later calls that start in the regime run as plain `generate()`, with one `DartFallbackWarning` per regime and the
+numbers. After `FIRST_PROBE_AFTER` plain calls (doubling after every probe that loses, up to `MAX_PROBE_AFTER`) a call
+in the regime runs DART again (a probe): steps timed on a loaded machine switch DART off only until then. The verdict
+follows the latest evidence of any call: a call with `dart_head=` (which decodes with DART whatever the estimates say;
+its tree sizes still adapt) or with a fixed tree that shows DART pays in a plain regime sends later attached calls
+there back to DART, and one that shows it loses sends them plain.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional, Protocol, Union
+
+from dart_core.acceptance import tau_of
+from dart_core.speed import (EXPLORE_EVERY, MIN_PLAIN_WEIGHT, PLAIN_EVERY, WINDOW, Mode, SpeedController,
+                             regime_key, step_seconds_ok)
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeStep:
+    """Verify a drafted tree of `nodes` draft nodes."""
+
+    nodes: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.nodes, bool) or not isinstance(self.nodes, int) or self.nodes < 1:
+            raise ValueError(f"a tree step needs >= 1 draft nodes, got {self.nodes!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class PlainStep:
+    """Verify the roots alone: one token per sequence, as a plain generate() step decides it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LastTokenStep:
+    """Every sequence needs one token more: the roots alone, which nobody chose (not reported to a policy)."""
+
+
+PLAIN, LAST_TOKEN = PlainStep(), LastTokenStep()
+StepDecision = Union[TreeStep, PlainStep, LastTokenStep]
+
+
+class VerifiedStep(Protocol):
+    """What a policy reads of a verified step (the loop's step outcome)."""
+
+    batch_size: int  # sequences the step verified
+    context_length: int  # cache positions before the step
+    seconds: float  # the whole step: drafting, verification, bookkeeping
+    ranks: list[list[int]]  # per sequence, the selection rank of each accepted draft node (empty for a plain step)
+
+
+class StepPolicy(Protocol):
+    """What decides each verify step: the loop asks `decide` before every step and gives `observe` its outcome."""
+
+    max_tree_size: int  # the largest tree `decide` answers (valid once `begin` has run)
+
+    def begin(self, sampled: bool) -> None:
+        """The call starts decoding, its checks passed (sampled: whether it samples)."""
+
+    def decide(self, batch_size: int, context_length: int) -> Union[TreeStep, PlainStep]:
+        """The next step of `batch_size` sequences over a cache of `context_length` positions."""
+
+    def observe(self, decision: Union[TreeStep, PlainStep], step: VerifiedStep) -> None:
+        """The step `decision` asked for has been verified (a tree step whose drafter proposed nothing is reported as
+        `PLAIN`)."""
+
+
+@dataclasses.dataclass
+class FixedTree:
+    """Every step verifies a tree of `nodes`; nothing is learned."""
+
+    nodes: int
+
+    @property
+    def max_tree_size(self) -> int:
+        return self.nodes
+
+    def begin(self, sampled: bool) -> None:
+        pass
+
+    def decide(self, batch_size: int, context_length: int) -> TreeStep:
+        return TreeStep(self.nodes)
+
+    def observe(self, decision, step: VerifiedStep) -> None:
+        pass
+
+
+class CallPolicy:
+    """The speed rule's policy for one call: asks the controller for each step's tree and teaches it what the step
+    cost and accepted. `controller`: a function that gives the controller, called when the call starts decoding
+    (after its checks: a call DART does not decode makes none); `may_go_plain`: an attached head's call, which may
+    take plain steps and finish plain; `probe`: the call tries DART in regimes that run plain; `fixed`: every step
+    takes that tree. Every call teaches the estimates and the regimes' verdicts. `warnings`: the fallback messages
+    the call produced (the caller gives them)."""
+
+    def __init__(self, controller: Callable[[], SpeedController], *, may_go_plain: bool, probe: bool = False,
+                 fixed: Optional[int] = None) -> None:
+        self._resolve, self.may_go_plain, self.probe, self.fixed = controller, may_go_plain, probe, fixed
+        self.controller: Optional[SpeedController] = None
+        self.max_tree_size = fixed or 0
+        self.sampled = False
+        self.dart_steps: dict[tuple[int, int], int] = {}  # DART steps of this call per regime
+        self.recent: dict[tuple[int, int], list[tuple[float, float]]] = {}  # regime -> last WINDOW (tokens, seconds)
+        self.plain_here: set[tuple[int, int]] = set()  # regimes this call finishes plain
+        self.warnings: list[str] = []
+
+    def begin(self, sampled: bool) -> None:
+        self.controller = self._resolve()
+        self.sampled = sampled
+        if self.fixed is None:
+            self.max_tree_size = self.controller.max_size
+
+    def decide(self, batch_size: int, context_length: int) -> Union[TreeStep, PlainStep]:
+        if self.fixed is not None:
+            return TreeStep(self.fixed)
+        ctrl = self.controller
+        with ctrl.lock:
+            key = regime_key(batch_size, context_length)
+            regime = ctrl.regime(batch_size, context_length)
+            if self.may_go_plain:
+                if key in self.plain_here:
+                    return PLAIN
+                if regime.mode == Mode.PLAIN and not self.probe:
+                    self.plain_here.add(key)
+                    message = ctrl.fallback_message(key, self.sampled)
+                    if message is not None:
+                        self.warnings.append(message)
+                    return PLAIN
+                if regime.plain.weight < MIN_PLAIN_WEIGHT or regime.count % PLAIN_EVERY == PLAIN_EVERY - 1:
+                    return PLAIN  # measure plain decoding here (nothing rests on a prior alone)
+            best = ctrl.best(key, self.sampled)
+            if best is None:  # nothing timed here yet
+                return TreeStep(ctrl.start_size)
+            size = best[0]
+            if regime.count % EXPLORE_EVERY == EXPLORE_EVERY - 1:
+                size = self._neighbour(key, size, up=(regime.count // EXPLORE_EVERY) % 2 == 0)
+            return TreeStep(size)
+
+    def _neighbour(self, key: tuple[int, int], size: int, up: bool) -> int:
+        """The size next to `size` (up or down) among those the regime may take (`SpeedController.tryable`)."""
+        sizes = self.controller.tryable(key)
+        i = sizes.index(size) if size in sizes else 0
+        j = i + 1 if (up and i + 1 < len(sizes)) or i == 0 else i - 1
+        return sizes[min(max(j, 0), len(sizes) - 1)]
+
+    def observe(self, decision: Union[TreeStep, PlainStep], step: VerifiedStep) -> None:
+        ctrl = self.controller
+        key = regime_key(step.batch_size, step.context_length)
+        with ctrl.lock:
+            regime = ctrl.regime(step.batch_size, step.context_length)
+            regime.count += 1
+            if not isinstance(decision, TreeStep):
+                ctrl.observe_plain(key, step.seconds)
+                return
+            ctrl.observe_step(key, decision.nodes, step.seconds, step.ranks, self.sampled)
+            self.dart_steps[key] = self.dart_steps.get(key, 0) + 1
+            tokens = tau_of(sum(map(len, step.ranks)), len(step.ranks))
+            recent = self.recent.setdefault(key, [])
+            if step_seconds_ok(step.seconds):  # a clock that stalled or stepped back times nothing
+                recent.append((tokens, step.seconds))
+                del recent[:-WINDOW]
+            if self.dart_steps[key] < WINDOW or not recent:
+                return
+            expected, plain = ctrl.expected(key, self.sampled), ctrl.plain_s(key)
+            if expected is None or plain is None:
+                return
+            # the verdict follows the latest evidence of any call: slower than plain both by the estimates and over
+            # this call's last WINDOW steps here, or not
+            observed = sum(t for t, _ in recent) / sum(s for _, s in recent) * plain
+            if expected < 1.0 and observed < 1.0:
+                if not self.may_go_plain:  # a call that must decode with DART: later attached calls run plain here
+                    if regime.mode == Mode.DART:
+                        ctrl.set_plain(key, probing=False)
+                    return
+                self.plain_here.add(key)
+                if regime.mode == Mode.DART or self.probe:
+                    ctrl.set_plain(key, probing=self.probe)
+                message = ctrl.fallback_message(key, self.sampled)
+                if message is not None:
+                    self.warnings.append(message)
+            elif regime.mode == Mode.PLAIN:  # DART pays here again (a probe, or a call that decodes with DART anyway)
+                ctrl.set_dart(key)

@@ -1,0 +1,284 @@
+"""The speed rule (`dart_core.speed`, `dart_core.step_policy`): the choice, the estimates, the fallback to plain and
+the probes, on synthetic machines (noisy, changing, loaded at the first measurement, one where no tree pays, batch
+regimes) whose verdict is the same on every CPU."""
+
+import pytest
+
+from dart_core import TreeConfig
+from dart_core.acceptance import accepted_within
+from dart_core.speed import (FIRST_PROBE_AFTER, MAX_PROBE_AFTER, WINDOW, Mean, SpeedController, choose_tree_size,
+                             fit_line, regime_key)
+from dart_core.step_policy import CallPolicy, FixedTree, TreeStep
+from helpers.synthetic import (SIZES, Machine, best_fixed, controller, curve_of, prior_from, rate_over_calls, run_call,
+                               verified)
+
+
+# ---- the rule ---------------------------------------------------------------------------------------------------
+
+def test_the_choice_is_the_argmax_of_tokens_per_second_ties_to_the_smaller_tree():
+    tau = {1: 1.6, 4: 2.2, 16: 2.8, 60: 3.0}
+    step = {1: 0.10, 4: 0.11, 16: 0.12, 60: 0.30}
+    best, rows = choose_tree_size(tau, step, plain_s=0.08)
+    assert best == 16 and rows[2]["speedup"] == pytest.approx(2.8 / 0.12 * 0.08)
+    assert choose_tree_size({1: 2.0, 4: 2.0}, {1: 0.1, 4: 0.1}, None)[0] == 1
+    assert choose_tree_size({1: 2.0, 4: 2.0}, {1: 0.1, 4: 0.1}, None)[1][0]["speedup"] is None
+    with pytest.raises(ValueError, match="no tree size"):
+        choose_tree_size({1: 2.0}, {4: 0.1}, 0.1)
+
+
+def test_accepted_within_counts_the_leading_ranks_below_the_size():
+    assert accepted_within([0, 2, 5, 9], 1) == 1 and accepted_within([0, 2, 5, 9], 6) == 3
+    assert accepted_within([3, 4], 3) == 0 and accepted_within([], 60) == 0
+
+
+def test_running_means_fade_and_bound_outliers():
+    mean = Mean()
+    assert mean.value is None
+    for _ in range(50):
+        mean.add(1.0, 0.8)
+    mean.add_robust(100.0, 0.8)  # one slow spell counts as twice the estimate
+    assert mean.value == pytest.approx((4 * 1.0 + 2.0) / 5, rel=1e-3)  # weight 5 = 1 / (1 - 0.8), saturated
+    for _ in range(12):  # a lasting change is followed
+        mean.add_robust(5.0, 0.8)
+    assert mean.value > 4.5
+
+
+def test_the_line_of_timed_steps_is_a_weighted_fit_with_a_slope_never_negative():
+    points = [(x, 0.5 + 2.0 * x, w) for x, w in ((1.0, 1.0), (2.0, 3.0), (4.0, 0.5))]
+    assert fit_line(points) == pytest.approx((0.5, 2.0))
+    assert fit_line([(1.0, 3.0, 1.0), (2.0, 1.0, 1.0)]) == pytest.approx((2.0, 0.0))  # a smaller tree is never dearer
+    assert fit_line([(4.0, 1.0, 1.0), (5.0, 2.0, 1.0)]) is None  # too close to tell a slope
+    assert fit_line([(1.0, 1.0, 1.0)]) is None
+
+
+def test_regimes_bucket_batch_and_context():
+    assert regime_key(1, 10) == (1, 256) and regime_key(3, 257) == (4, 512) and regime_key(8, 2000) == (8, 2048)
+
+
+PRIORS = pytest.mark.parametrize("prior", [lambda machine: None, prior_from], ids=["learned", "calibrated"])
+
+
+# ---- on synthetic machines ----------------------------------------------------------------------------------
+
+@PRIORS
+def test_it_converges_to_the_best_fixed_tree(prior):
+    machine = Machine()
+    best, best_rate = best_fixed(machine)
+    assert best_rate * machine.plain_s > 1.2  # DART pays here
+    ctrl = controller(machine, cost=prior(machine))
+    rate_over_calls(ctrl, machine, 3)  # learning
+    assert rate_over_calls(ctrl, machine, 20) >= 0.95 * best_rate
+    assert machine.expected_rate(ctrl.choice(TreeConfig(), 1, 100).remain_total) >= 0.93 * best_rate
+
+
+@PRIORS
+def test_a_noisy_machine_keeps_dart_where_it_pays_and_a_good_tree(prior):
+    machine = Machine(noise=0.3, seed=3)
+    _, best_rate = best_fixed(Machine())
+    ctrl = controller(Machine(), cost=prior(Machine()))
+    rate_over_calls(ctrl, machine, 3)
+    rate = rate_over_calls(ctrl, machine, 30)
+    # every step time 30% noisy: learned from the steps alone, the sizes it settles on are a little further from the
+    # best than with a calibrated cost, and it stays well above plain (the best tree is > 1.2x plain here)
+    assert rate >= (0.9 if ctrl.cost is not None else 0.85) * best_rate and rate * machine.plain_s > 1.0
+    assert ctrl.regimes[regime_key(1, 100)].mode == "dart"
+
+
+@PRIORS
+def test_a_machine_where_no_tree_pays_stays_plain_and_probes_less_and_less(prior):
+    machine = Machine(verify=lambda k: 0.150 + 0.004 * k)  # every tree forward costs twice a plain step
+    assert best_fixed(machine)[1] * machine.plain_s < 0.8
+    ctrl = controller(machine, cost=prior(machine))
+    if ctrl.cost is not None:
+        assert ctrl.regime(1, 100).mode == "plain"  # a calibrated cost already says so
+    gaps, since = [], 0
+    for _ in range(200):
+        _, _, sizes = run_call(ctrl, machine, steps=32)
+        if sizes:
+            gaps.append(since)
+            since = 0
+            assert sizes.count(0) >= 32 - 2 * WINDOW  # a probe that loses finishes plain within a few steps
+        else:
+            since += 1
+    if ctrl.cost is None:  # nothing says so before the first call's own steps
+        assert gaps[0] == 0
+        gaps = gaps[1:]
+    assert [g + 1 for g in gaps[:5]] == [FIRST_PROBE_AFTER, 4, 8, 16, 32] and max(gaps) + 1 == MAX_PROBE_AFTER
+    rate = rate_over_calls(ctrl, machine, 64, steps=32)
+    assert rate * machine.plain_s >= 0.97
+
+
+@PRIORS
+def test_a_head_that_cannot_pay_is_caught_whatever_its_curve_claims(prior):
+    """A random head (tau 1) shipped with a curve that claims tau 2: the first call's steps show the truth."""
+    machine = Machine(verify=lambda k: 0.080 + 0.004 * k, depth_p=0.0)
+    ctrl = controller(machine, cost=prior(machine), curve=curve_of(Machine()))
+    _, _, sizes = run_call(ctrl, machine, steps=64)
+    dart_steps = [s for s in sizes if s]
+    assert len(dart_steps) <= 2 * WINDOW and sizes[-1] == 0
+    assert ctrl.regimes[regime_key(1, 100)].mode == "plain"
+    assert rate_over_calls(ctrl, machine, 40) * machine.plain_s >= 0.97
+
+
+@PRIORS
+def test_a_changing_machine_is_followed_both_ways(prior):
+    fast = Machine()
+    slow = Machine(verify=lambda k: 0.200 + 0.010 * k)
+    ctrl = controller(fast, cost=prior(fast))
+    rate_over_calls(ctrl, fast, 5)
+    assert ctrl.regimes[regime_key(1, 100)].mode == "dart"
+    _, _, sizes = run_call(ctrl, slow, steps=64)  # the machine turns slow in the middle of the work
+    assert max(i for i, s in enumerate(sizes) if s) < 3 * WINDOW  # then plain to the end of the call
+    regime = ctrl.regimes[regime_key(1, 100)]
+    assert regime.mode == "plain"
+    assert rate_over_calls(ctrl, slow, 20) * slow.plain_s >= 0.95
+    _, best_rate = best_fixed(fast)  # and fast again: the next probe brings DART back
+    for _ in range(regime.probe_after + 1):
+        run_call(ctrl, fast)
+    assert ctrl.regimes[regime_key(1, 100)].mode == "dart"
+    assert rate_over_calls(ctrl, fast, 10) >= 0.9 * best_rate
+
+
+def test_a_first_measurement_on_a_loaded_machine_neither_switches_dart_off_for_good():
+    machine = Machine()
+    ctrl = controller(machine, cost=prior_from(machine, scale=4.0, plain_scale=1.0))  # tree forwards timed under load
+    assert ctrl.regime(1, 100).mode == "plain"
+    rate_over_calls(ctrl, machine, FIRST_PROBE_AFTER + 2)
+    assert ctrl.regimes[regime_key(1, 100)].mode == "dart"
+    assert rate_over_calls(ctrl, machine, 10) >= 0.9 * best_fixed(machine)[1]
+
+
+def test_nor_keeps_a_losing_tree():
+    machine = Machine(verify=lambda k: 0.150 + 0.004 * k)
+    ctrl = controller(machine, cost=prior_from(machine, scale=1.0, plain_scale=5.0))  # plain timed under load
+    assert ctrl.regime(1, 100).mode == "dart"
+    _, _, sizes = run_call(ctrl, machine, steps=64)
+    assert sizes[0] == 0  # plain is measured in the call before anything rests on the prior
+    assert sum(1 for s in sizes if s) <= 2 * WINDOW and sizes[-1] == 0
+    assert ctrl.regimes[regime_key(1, 100)].mode == "plain"
+
+
+def test_nor_keeps_the_wrong_tree_when_load_bent_the_first_measurement():
+    """Load inflated the fixed part of each forward, not the per-token part: the prior says a large tree costs about
+    what a small one does. The timed steps of two sizes show the real slope, and the choice walks back."""
+    machine = Machine(verify=lambda k: 0.040 + 0.008 * k)
+    best, best_rate = best_fixed(machine)
+    assert best <= 4
+    loaded = prior_from(Machine(verify=lambda k: 4 * 0.040 + 0.008 * k, head_s=4 * machine.head_s,
+                                plain_s=4 * machine.plain_s))
+    ctrl = controller(machine, cost=loaded, curve=curve_of(machine))
+    key = regime_key(1, 100)
+    ctrl.regime(1, 100)
+    prior = {r: ctrl.prior_step_s(key, r) for r in SIZES}
+    assert choose_tree_size(ctrl.tau_of(False), prior, None)[0] > 2 * best  # what the bent prior alone says
+    rate_over_calls(ctrl, machine, 3)
+    assert rate_over_calls(ctrl, machine, 10) >= 0.93 * best_rate
+    assert ctrl.choice(TreeConfig(), 1, 100).remain_total <= 2 * best
+
+
+@pytest.mark.parametrize("bend", [lambda k: 4.0 if k <= 8 else 1.5, lambda k: 1.5 if k <= 8 else 4.0])
+def test_nor_when_load_bent_the_measurement_either_way(bend):
+    """Load inflated small forwards more than large ones (or the reverse): the timed steps contradict the prior's
+    shape, and the choice follows what the steps measure."""
+    machine = Machine(verify=lambda k: 0.040 + 0.008 * k)
+    best, best_rate = best_fixed(machine)
+    cost = prior_from(machine)
+    cost.verify_ms = {k: ms * bend(k) for k, ms in cost.verify_ms.items()}
+    cost.plain_ms *= 4.0
+    ctrl = controller(machine, cost=cost, curve=curve_of(machine))
+    rate_over_calls(ctrl, machine, 4)
+    assert rate_over_calls(ctrl, machine, 10) >= 0.9 * best_rate
+
+
+def test_a_head_without_a_curve_learns_one_from_its_calls():
+    machine = Machine()
+    ctrl = controller(machine, curve=None)
+    _, _, sizes = run_call(ctrl, machine, steps=64)
+    assert [s for s in sizes if s][:2] == [3, 3]  # small trees first: the start size, then larger as they pay
+    rate_over_calls(ctrl, machine, 3)
+    assert rate_over_calls(ctrl, machine, 20) >= 0.93 * best_fixed(machine)[1]
+    best = ctrl.choice(TreeConfig(), 1, 100).remain_total
+    assert best > 3 and ctrl.tau_of(False)[best] > ctrl.tau_of(False)[1] > 1.0
+
+
+@PRIORS
+def test_batch_regimes_decide_apart(prior):
+    """A batch of 8 verifies 8 x (R + 1) rows: on a machine where that costs too much, batch 8 decodes plain while
+    batch 1 keeps DART."""
+    machine = Machine(verify=lambda k: 0.050 + 0.006 * k)
+    ctrl = controller(machine, cost=prior(machine))
+    for _ in range(6):
+        run_call(ctrl, machine, batch=1)
+        run_call(ctrl, machine, batch=8)
+    assert ctrl.regimes[regime_key(1, 100)].mode == "dart"
+    assert ctrl.regimes[regime_key(8, 100)].mode == "plain"
+    plain_rate = 1 / machine.plain(8)
+    assert rate_over_calls(ctrl, machine, 10, batch=8) >= 0.97 * plain_rate
+    assert rate_over_calls(ctrl, machine, 10, batch=1) >= 0.9 * best_fixed(machine)[1]
+
+
+def test_a_call_with_dart_head_never_goes_plain_and_a_fixed_tree_only_teaches():
+    machine = Machine(verify=lambda k: 0.150 + 0.004 * k)
+    ctrl = controller(machine)
+    _, _, sizes = run_call(ctrl, machine, attached=False)
+    assert 0 not in sizes and len(set(sizes)) >= 2  # it still adapts its tree
+    policy = CallPolicy(lambda: ctrl, may_go_plain=False, fixed=5)
+    policy.begin(False)
+    assert {policy.decide(1, 10) for _ in range(20)} == {TreeStep(5)} and policy.max_tree_size == 5
+    policy.observe(TreeStep(5), verified(1, 10, 0.2, [[0, 1]]))
+    policy.observe(TreeStep(5), verified(1, 10, 0.2, [[0, 1]]))
+    assert ctrl.regimes[regime_key(1, 10)].steps[5].value == pytest.approx(0.2)
+
+
+def test_small_trees_first_a_larger_tree_only_once_a_smaller_one_is_timed():
+    """However good the priors say a large tree is, an untimed size is tried only up to twice the rows of the
+    largest size timed: the first call climbs 3 -> 6 -> 12 ... while the timed steps show it pays."""
+    machine = Machine(verify=lambda k: 0.060 + 0.0005 * k)  # large trees nearly free: the best is the largest
+    ctrl = controller(machine, start=3)
+    _, _, sizes = run_call(ctrl, machine, steps=64)
+    dart = [s for s in sizes if s]
+    assert dart[0] == 3 and max(SIZES) in dart
+    for before, after in zip(dart, dart[1:]):  # each new size within twice the rows of the largest timed before
+        assert after + 1 <= 2 * (max(dart[:dart.index(after)] or [3]) + 1) or after in dart[:dart.index(after)]
+
+
+def test_one_slow_plain_step_at_a_regimes_start_does_not_set_plains_cost():
+    """A regime's first plain steps carry one-off costs (new shapes, a slow spell): plain's cost starts as the median
+    of the first three timed ones, not their mean, so one outlier cannot make DART look faster than it is."""
+    ctrl = SpeedController(SIZES, None, None, 3)
+    key = regime_key(8, 100)
+    ctrl.regime(8, 100)
+    for seconds in (9.0, 0.30, 0.10, 0.11):  # the first is cold (dropped), then an outlier and two true ones
+        ctrl.observe_plain(key, seconds)
+    assert ctrl.plain_s(key) == pytest.approx(0.11)
+    assert ctrl.regimes[key].plain.weight == pytest.approx(1.0)
+    ctrl.observe_plain(key, 0.12)  # then a running mean
+    assert 0.11 < ctrl.plain_s(key) < 0.12
+
+
+@PRIORS
+def test_the_verdict_follows_the_latest_evidence_of_any_call(prior):
+    """dart_head= calls that show DART pays lift a plain verdict, so the next attached call decodes with DART; ones
+    that show it loses make later attached calls plain (the explicit call itself still decodes with DART)."""
+    machine, slow = Machine(), Machine(verify=lambda k: 0.200 + 0.010 * k)
+    ctrl = controller(machine, cost=prior(machine))
+    key = regime_key(1, 100)
+    run_call(ctrl, slow)  # an attached call on a loaded machine: plain from then on
+    assert ctrl.regimes[key].mode == "plain" and run_call(ctrl, machine)[2] == []
+    run_call(ctrl, machine, attached=False)  # dart_head= on the machine as it is now
+    assert ctrl.regimes[key].mode == "dart"
+    assert run_call(ctrl, machine)[2].count(0) < 16  # the next attached call decodes with DART
+    _, _, sizes = run_call(ctrl, slow, attached=False)
+    assert 0 not in sizes and ctrl.regimes[key].mode == "plain"
+    assert run_call(ctrl, slow)[2] == []  # the next attached call runs as plain generate()
+
+
+
+
+def test_a_fixed_tree_decides_every_step_alike_and_a_tree_step_needs_nodes():
+    policy = FixedTree(7)
+    policy.begin(True)
+    assert policy.max_tree_size == 7 and {policy.decide(b, c) for b in (1, 8) for c in (10, 5000)} == {TreeStep(7)}
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="draft nodes"):
+            TreeStep(bad)
