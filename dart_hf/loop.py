@@ -370,7 +370,7 @@ def dart_decoding(model, input_ids: torch.LongTensor, logits_processor, stopping
 
 
 def _decode(call: Call):
-    """`dart_decoding`'s body: prepare (every check), prefill, then emit / draft / verify until done."""
+    """`dart_decoding`'s body: prepare (every check), prefill, then steps (emit, decide, draft, verify) until done."""
     from dart_hf.calibration import load_kernel_choices, save_kernel_choices  # (calibration imports this module)
 
     t_start = now()

@@ -20,6 +20,8 @@ def import_sglang():
 
 
 EOS = 1  # the tiny target's EOS id (`hf_models.char_tokenizer`'s "<eos>")
+TREE = {"topk": 4, "beam_width": 4, "remain_total": 8}  # the random head's tree (`write_models`)
+ACCEPT_PROMPT, ACCEPT_TOKENS = [5, 6, 7, 8, 9, 10], 24  # the continuation an `accepting_head` drafts
 
 
 def write_models(root, draft_length: int = 4, tree: dict | None = None, seed: int = 1) -> tuple[str, str]:
@@ -94,7 +96,8 @@ class Server:
 
     FLAGS = ["--device", "cpu", "--attention-backend", "triton", "--sampling-backend", "pytorch",
              "--disable-cuda-graph", "--disable-overlap-schedule", "--dtype", "float32",
-             "--mem-fraction-static", "0.05", "--max-total-tokens", "4096", "--random-seed", "0"]
+             "--mem-fraction-static", "0.05", "--max-total-tokens", "4096", "--random-seed", "0",
+             "--sleep-on-idle"]  # an idle scheduler waits on its sockets instead of spinning a core
 
     def __init__(self, target: str, head: str | None, log_file: str, env: dict | None = None,
                  startup_timeout: float = 400, extra: tuple = (), attempts: int = 3):
@@ -175,3 +178,23 @@ class Server:
                 self.process.wait()
         if not self._log.closed:
             self._log.close()
+
+
+def start_together(*starts) -> list:
+    """The servers the callables `starts` start, started at once (a start is mostly one busy thread: side by side
+    they take about the time of one per core); if one fails, the others are closed and the error raised."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(starts)) as pool:
+        futures = [pool.submit(start) for start in starts]
+        started, error = [], None
+        for future in futures:
+            try:
+                started.append(future.result())
+            except Exception as err:  # noqa: BLE001 -- every other server is closed before it is raised
+                error = error or err
+    if error is not None:
+        for server in started:
+            server.close()
+        raise error
+    return started

@@ -1,7 +1,7 @@
 """End to end: real SGLang servers on this CPU with `--speculative-algorithm DART` (tiny random target with a
 character-level tokenizer, tiny heads) against the same server without speculation and against HF greedy, through
-/generate and the `openai` client. Marked slow (a few minutes: two servers for the module, one more for the accept
-test)."""
+/generate and the `openai` client. Marked slow (a few minutes: the session's plain server, tests/sglang/conftest.py, a
+DART server for the module, and one more each for the accepting head and context paths)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from helpers.sglang_env import EOS, Server, accepting_head, import_sglang, write_models
+from helpers.sglang_env import (ACCEPT_PROMPT, ACCEPT_TOKENS, EOS, TREE, Server, import_sglang, set_tree,
+                                start_together)
 
 import_sglang()
 
@@ -20,7 +21,6 @@ pytestmark = pytest.mark.slow
 PROMPT_IDS = [[5, 6, 7, 8, 9, 10], [12, 40, 41, 3], [70, 71, 72, 73, 74, 75, 76, 77], [30, 31]]
 TEXT_PROMPTS = ["hello world w3 w4", "user w10 w11 w12 w13 w14"]
 NEW_TOKENS = 16
-TREE = {"topk": 4, "beam_width": 4, "remain_total": 8}
 CONTEXT = 512  # the tiny target's max_position_embeddings
 
 
@@ -38,40 +38,29 @@ def generate(server, ids, ignore_eos=False, expect=200, **sampling):
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("sglang")
-    target, head = write_models(root, draft_length=4, tree=TREE)
-    return root, target, head
+def dart_servers(models, accepting):
+    """The module's DART servers, started side by side: {"random": the random head's, "accepting": the accepting
+    head's, "context": the random head's with context paths}."""
+    import shutil
 
-
-@pytest.fixture(scope="module")
-def hf_target(models):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(models[1], dtype=torch.float32)
-
-
-@pytest.fixture(scope="module")
-def servers(models):
-    """(plain, dart): the same target without and with DART, started side by side, for the whole module."""
     root, target, head = models
-    logits_log = root / "head-logits.jsonl"
-    with ThreadPoolExecutor(2) as pool:
-        flags = ("--constrained-json-disable-any-whitespace",)
-        plain = pool.submit(Server, target, None, str(root / "plain.log"), extra=flags)
-        dart = pool.submit(Server, target, head, str(root / "dart.log"), {"DART_TEST_LOGITS_LOG": str(logits_log)},
-                           extra=flags)
-        started = []
-        try:
-            for future in (plain, dart):
-                started.append(future.result())
-        except Exception:
-            for server in started:
-                server.close()
-            raise
-    yield started[0], started[1]
+    context_head = root / "context-head"
+    shutil.copytree(head, context_head)
+    set_tree(str(context_head), context_draft=True, context_min_match=1, context_depth=8)
+    started = start_together(
+        lambda: Server(target, head, str(root / "dart.log"), {"DART_TEST_LOGITS_LOG": str(root / "head-logits.jsonl")},
+                       extra=("--constrained-json-disable-any-whitespace",)),
+        lambda: Server(target, accepting[0], str(root / "accepting.log")),
+        lambda: Server(target, str(context_head), str(root / "context.log")))
+    yield dict(zip(("random", "accepting", "context"), started))
     for server in started:
         server.close()
+
+
+@pytest.fixture(scope="module")
+def servers(plain_server, dart_servers):
+    """(plain, dart): the same target without and with DART (the random head)."""
+    return plain_server, dart_servers["random"]
 
 
 def both(servers, call):
@@ -189,34 +178,14 @@ def test_constrained_decoding_with_a_json_schema_and_a_regex(servers):
     assert len(dart[1]) == 6 and dart[1][3] == "-"
 
 
-def test_a_head_that_drafts_right_gets_drafts_accepted(models, hf_target, tmp_path):
-    _, target_dir, _ = models
-    prompt = PROMPT_IDS[0]
-    reference = hf_greedy(hf_target, prompt, 24, stop_at_eos=False)
-    head = accepting_head(target_dir, hf_target, reference, tmp_path)
-    server = Server(target_dir, head, str(tmp_path / "crafted.log"))
-    try:
-        body = generate(server, prompt, ignore_eos=True, max_new_tokens=24)
-    finally:
-        server.close()
-    assert body["output_ids"] == reference
+def test_a_head_that_drafts_right_gets_drafts_accepted(dart_servers, accepting):
+    body = generate(dart_servers["accepting"], ACCEPT_PROMPT, ignore_eos=True, max_new_tokens=ACCEPT_TOKENS)
+    assert body["output_ids"] == accepting[1]
     assert body["meta_info"]["spec_accept_length"] > 1.5, body["meta_info"]
 
 
-def test_context_paths_are_served_losslessly(models, hf_target, tmp_path):
-    import shutil
-
-    from helpers.sglang_env import set_tree
-
-    _, target_dir, head_dir = models
-    head = tmp_path / "context-head"
-    shutil.copytree(head_dir, head)
-    set_tree(str(head), context_draft=True, context_min_match=1, context_depth=8)
+def test_context_paths_are_served_losslessly(dart_servers, hf_target):
     prompts = [PROMPT_IDS[0] * 3, PROMPT_IDS[2] * 2]  # prompts that repeat themselves
-    server = Server(target_dir, str(head), str(tmp_path / "context.log"))
-    try:
-        bodies = [generate(server, p, ignore_eos=True, max_new_tokens=24) for p in prompts]
-    finally:
-        server.close()
+    bodies = [generate(dart_servers["context"], p, ignore_eos=True, max_new_tokens=24) for p in prompts]
     for prompt, body in zip(prompts, bodies):
         assert body["output_ids"] == hf_greedy(hf_target, prompt, 24, stop_at_eos=False)

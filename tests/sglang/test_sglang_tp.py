@@ -1,6 +1,7 @@
 """SGLang tensor parallelism with DART on this CPU: `--tp-size 2` (two ranks, one core each) serves the plain
-TP=2 and TP=1 servers' greedy output, accepts drafts, and every rank's head computes `dart_core.DartHead`'s logits
-and the same trees. Marked slow (three servers; a TP=2 start takes about two minutes here)."""
+TP=2 and TP=1 servers' greedy output (the TP=1 one shared with the server tests, tests/sglang/conftest.py), accepts
+drafts, and every rank's head computes `dart_core.DartHead`'s logits and the same trees. Marked slow (a TP=2 start
+takes about two minutes here)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,8 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import torch
 
-from helpers.sglang_env import Server, accepting_head, import_sglang, write_models
+from helpers.sglang_env import Server, import_sglang, start_together
 
 import_sglang()
 
@@ -40,37 +40,26 @@ def serve_all(server):
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    from transformers import AutoModelForCausalLM
-
-    root = tmp_path_factory.mktemp("sglang-tp")
-    target, _ = write_models(root)
-    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
-    reference = hf.generate(torch.tensor([PROMPT_IDS[0]]), max_new_tokens=24, do_sample=False, eos_token_id=None,
-                            pad_token_id=0)[0, len(PROMPT_IDS[0]):].tolist()
-    head = accepting_head(target, hf, reference, root)  # drafts right: acceptance shows under TP too
-    return root, target, head
+def setup(models, accepting):
+    """(root, target, a head whose drafts are accepted: acceptance shows under TP too), shared with the server tests."""
+    root, target, _ = models
+    return root, target, accepting[0]
 
 
-def test_tp2_serves_the_plain_servers_output_with_drafts_accepted_and_ranks_agreeing(setup):
+def test_tp2_serves_the_plain_servers_output_with_drafts_accepted_and_ranks_agreeing(setup, plain_server):
     root, target, head = setup
     logits_log = root / "tp-head-logits.jsonl"
-    plain1 = Server(target, None, str(root / "plain-tp1.log"))
-    try:
-        want = serve_all(plain1)
-    finally:
-        plain1.close()
-    plain2 = Server(target, None, str(root / "plain-tp2.log"), env=TP2, extra=("--tp-size", "2"))
+    want = serve_all(plain_server)
+    plain2, dart = start_together(
+        lambda: Server(target, None, str(root / "plain-tp2.log"), env=TP2, extra=("--tp-size", "2")),
+        lambda: Server(target, head, str(root / "dart-tp2.log"), extra=("--tp-size", "2"),
+                       env={**TP2, "DART_TEST_LOGITS_LOG": str(logits_log), "DART_CHECK_TP_TREES": "1"}))
     try:
         want2 = serve_all(plain2)
-    finally:
-        plain2.close()
-    dart = Server(target, head, str(root / "dart-tp2.log"), extra=("--tp-size", "2"),
-                  env={**TP2, "DART_TEST_LOGITS_LOG": str(logits_log), "DART_CHECK_TP_TREES": "1"})
-    try:
         got = serve_all(dart)
         accepted = generate(dart, PROMPT_IDS[0], max_new_tokens=24)["meta_info"]["spec_accept_length"]
     finally:
+        plain2.close()
         dart.close()
     assert want2 == want  # the plain server gives the same output at TP=2 as at TP=1
     assert got == want  # DART at TP=2: the same tokens, one at a time and four at once
@@ -82,16 +71,12 @@ def test_tp2_serves_the_plain_servers_output_with_drafts_accepted_and_ranks_agre
     assert "different draft trees" not in (root / "dart-tp2.log").read_text()
 
 
-def test_two_data_parallel_replicas(setup):
+def test_two_data_parallel_replicas(setup, plain_server):
     root, target, head = setup
     server = Server(target, head, str(root / "dart-dp2.log"), env=TP2, extra=("--dp-size", "2"))
     try:
         sequential, concurrent, _ = serve_all(server)
     finally:
         server.close()
-    plain = Server(target, None, str(root / "plain-dp1.log"))
-    try:
-        want = [generate(plain, ids)["output_ids"] for ids in PROMPT_IDS]
-    finally:
-        plain.close()
+    want = [generate(plain_server, ids)["output_ids"] for ids in PROMPT_IDS]
     assert sequential == want and concurrent == want
