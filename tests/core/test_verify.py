@@ -10,6 +10,7 @@ import torch
 
 from dart_core.tree import DraftTree, DraftTreeBatch
 from dart_core.verify import VerifyResult, accept_chosen, verify_greedy, verify_sampled, verify_tree
+from helpers.sampling_checks import chi_square_pvalue
 
 # ------------------------------------------------------------------------------------------------------ helpers
 
@@ -99,26 +100,13 @@ def rep_penalty(input_ids: torch.Tensor, scores: torch.Tensor, penalty: float = 
     return out
 
 
-def chi2_pvalue(observed: torch.Tensor, expected_probs: torch.Tensor) -> float:
-    """Pearson chi-square goodness of fit over the cells with positive expected probability."""
-    observed = observed.double().flatten()
-    probs = expected_probs.double().flatten()
-    keep = probs > 0
-    assert float(observed[~keep].sum()) == 0.0, "outcomes with zero target probability occurred"
-    total = float(observed.sum())
-    exp = probs[keep] / probs[keep].sum() * total
-    stat = float(((observed[keep] - exp) ** 2 / exp).sum())
-    df = int(keep.sum()) - 1
-    return float(torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64),
-                                         torch.tensor(stat / 2.0, dtype=torch.float64)))
-
-
-def test_chi2_helper_matches_known_values() -> None:
+def test_chi_square_helper_matches_known_values() -> None:
     # chi-square survival function at df=1, x=3.841458820694124 is 0.05; df=15, x=30.577914 is 0.01
-    p = chi2_pvalue(torch.tensor([50.0 + 0.5 * 3.841458820694124**0.5 * 10, 50.0 - 0.5 * 3.841458820694124**0.5 * 10]),
-                    torch.tensor([0.5, 0.5]))
+    half_width = 0.5 * 3.841458820694124**0.5 * 10
+    p = chi_square_pvalue(torch.tensor([50.0 + half_width, 50.0 - half_width]), torch.tensor([0.5, 0.5]))
     assert abs(p - 0.05) < 1e-6
-    sf = float(torch.special.gammaincc(torch.tensor(7.5, dtype=torch.float64), torch.tensor(30.577914 / 2, dtype=torch.float64)))
+    sf = float(torch.special.gammaincc(torch.tensor(7.5, dtype=torch.float64),
+                                       torch.tensor(30.577914 / 2, dtype=torch.float64)))
     assert abs(sf - 0.01) < 1e-5
 
 
@@ -470,6 +458,7 @@ def reference_walk(processor, bug: str, draws: int, seed: int) -> list[list[int]
 DRAWS = 20000
 
 
+@pytest.mark.slow  # statistical: chi-square over many draws
 @pytest.mark.parametrize("processor", [None, rep_penalty], ids=["raw", "rep_penalty"])
 def test_sampling_is_lossless(processor) -> None:
     """The first two emitted tokens against their exact distribution (enumerated): on the device (no processor:
@@ -484,14 +473,14 @@ def test_sampling_is_lossless(processor) -> None:
     assert all(k > 500 for k in lengths)  # bonus at the root, at depth 1, and full acceptance all happen
     counts = complete_pairs(emitted, processor, gen)
     exact = exact_pair_distribution(processor)
-    assert chi2_pvalue(counts, exact) > 1e-4
+    assert chi_square_pvalue(counts, exact) > 1e-4
     # the same statistic has the power to reject a wrong walk
     for bug in ("accept_unmatched", "draw_per_node"):
         wrong = complete_pairs(reference_walk(processor, bug, DRAWS, seed=7), processor, gen)
-        assert chi2_pvalue(wrong, exact) < 1e-6, bug
+        assert chi_square_pvalue(wrong, exact) < 1e-6, bug
     # and it accepts the control walk without the bug (the reference itself is right)
     right = complete_pairs(reference_walk(processor, "none", DRAWS, seed=7), processor, gen)
-    assert chi2_pvalue(right, exact) > 1e-4
+    assert chi_square_pvalue(right, exact) > 1e-4
 
 
 def first_with_same_path(tokens: list[int], parents: list[int]) -> list[int]:
@@ -541,6 +530,7 @@ def temperature_top_k(input_ids: torch.Tensor, scores: torch.Tensor, temperature
     return scores.masked_fill(scores < kth, float("-inf"))
 
 
+@pytest.mark.slow  # statistical: chi-square over many draws
 def test_sampling_temperature_top_k_first_token() -> None:
     rows = DRAWS
     # root -> tok 3 (outside the top-2: probability 0), tok 1, tok 1 (duplicate), tok 2, tok 0 (probability 0)
@@ -555,7 +545,7 @@ def test_sampling_temperature_top_k_first_token() -> None:
     counts = torch.bincount(first, minlength=VS).float()
     expected = torch.softmax(temperature_top_k(None, root_logits[None])[0], -1)
     assert counts[0] == 0 and counts[3] == 0
-    assert chi2_pvalue(counts, expected) > 1e-4
+    assert chi_square_pvalue(counts, expected) > 1e-4
     # accepted first tokens come from node 2 (first tok-1 child) or node 4, never nodes 1, 3 or 5
     assert set(res.accepted_nodes[:, 1].tolist()) <= {-1, 2, 4}
     # every draw at the root is in the top-2 {1, 2}, and both are children: a draft is always accepted

@@ -836,6 +836,7 @@ def sample_pairs(model, store, draws, seed):
     return counts, accepted_store
 
 
+@pytest.mark.slow  # statistical: 700 generate() calls
 def test_sampling_with_a_store_keeps_the_distribution_and_a_lossy_control_fails(monkeypatch):
     model = dart_hf.enable(tiny_target(vocab=8, layers=4, hidden=16, seed=3), False)
     exact = exact_two_token_distribution(model, SAMPLING_PROMPT).flatten()

@@ -204,6 +204,7 @@ def test_stop_strings_at_batch_size_above_one(eos):
         assert torch.equal(model.generate(ids, dart_head=head, **kwargs), plain)
 
 
+@pytest.mark.slow  # statistical: 1,900 generate() calls
 def test_sampling_under_called_criteria_keeps_each_rows_distribution_and_a_lossy_control_fails(monkeypatch):
     # the same statistical check as the host-decided case, with a criterion that must be called (lockstep)
     model = dart_hf.enable(tiny_target(vocab=8, layers=4, hidden=16, seed=3), False)
