@@ -1,6 +1,7 @@
 """Test-wide settings: one torch thread (on 2-core machines tiny-model tests run several times faster;
 `DART_SPEC_TEST_THREADS=2` runs the suite at 2), an empty dart-spec cache of the session's own (what DART measures or
-learns on this machine never comes from outside the run); the tiny training run shared by the trainer tests."""
+learns on this machine never comes from outside the run); the tiny training run shared by the trainer tests; and how
+`pytest -n` (pytest-xdist, `--dist loadgroup`) shares the tests among its workers (`pytest_collection_modifyitems`)."""
 
 import os
 
@@ -9,6 +10,18 @@ import torch
 
 from dart_train.data import write_shard
 from helpers.hf_models import tiny_target
+
+
+# the modules that share the session's SGLang servers (tests/sglang/conftest.py) run on one worker, one after another
+SHARED_SERVERS = ("test_sglang_server.py", "test_sglang_tp.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under `--dist loadgroup` a module's tests run on one worker in their order (as without workers), and the
+    modules that share the session's SGLang servers run on one worker together."""
+    for item in items:
+        group = "sglang-servers" if item.path.name in SHARED_SERVERS else str(item.path)
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(autouse=True, scope="session")
