@@ -55,10 +55,11 @@ class PlainClock(StoppingCriteria):
 
 # ---- one controller per target, head and machine setting ---------------------------------------------------------
 
-# per head: {(target id, dtype, device, threads, acceptance id, search settings): SpeedController}
+# per head: {(target id, dtype, device, threads, acceptance id, search settings): the controller's `LearnedFile`,
+# which holds the controller}; both live as long as the head
 _CONTROLLERS: "weakref.WeakKeyDictionary[DartHead, dict]" = weakref.WeakKeyDictionary()
 _CONTROLLERS_LOCK = threading.Lock()
-_FILES: "weakref.WeakKeyDictionary[SpeedController, LearnedFile]" = weakref.WeakKeyDictionary()
+_FILES: "weakref.WeakValueDictionary[int, LearnedFile]" = weakref.WeakValueDictionary()  # id(controller) -> its file
 
 
 def _key(model, head: DartHead, context: Optional[bool], store: bool = False) -> tuple:
@@ -83,7 +84,8 @@ def existing_controller(model, head: DartHead, context: Optional[bool] = None,
     """The controller of `head` on `model` here, for calls with context drafting on or off (`context`; None: as the
     head's tree settings say) and with or without a store, if a call made one (no measurement)."""
     with _CONTROLLERS_LOCK:
-        return _CONTROLLERS.get(head, {}).get(_key(model, head, context, store))
+        found = _CONTROLLERS.get(head, {}).get(_key(model, head, context, store))
+    return None if found is None else found.controller
 
 
 def controller_for(model, head: DartHead, context: Optional[bool] = None, store: bool = False) -> SpeedController:
@@ -95,7 +97,7 @@ def controller_for(model, head: DartHead, context: Optional[bool] = None, store:
     with _CONTROLLERS_LOCK:
         found = _CONTROLLERS.get(head, {}).get(key)
         if found is not None:
-            return found
+            return found.controller
         cost = cached_machine_cost(model, head)
         base = base_tree_config(model, head)
         curve = head.acceptance
@@ -103,9 +105,9 @@ def controller_for(model, head: DartHead, context: Optional[bool] = None, store:
         sizes = [r for r in CANDIDATES if r <= largest] + ([largest] if largest not in CANDIDATES else [])
         ident = identity(model, head)
         controller = SpeedController(sizes, cost, curve, start_size=first_size(head, base, sizes))
-        learned = _FILES[controller] = LearnedFile(controller, learned_path(ident, key[-1]), ident)
+        learned = LearnedFile(controller, learned_path(ident, key[-1]), ident)
         learned.load()
-        _CONTROLLERS.setdefault(head, {})[key] = controller
+        _CONTROLLERS.setdefault(head, {})[key] = _FILES[id(controller)] = learned
         return controller
 
 
@@ -121,7 +123,8 @@ def first_size(head: DartHead, base: TreeConfig, sizes: list[int]) -> int:
 
 def learned_file(controller: SpeedController) -> Optional[LearnedFile]:
     """Where `controller` keeps what it learns (None: a controller `controller_for` did not make)."""
-    return _FILES.get(controller)
+    found = _FILES.get(id(controller))
+    return found if found is not None and found.controller is controller else None
 
 
 def save_learned(controller: Optional[SpeedController], force: bool = False) -> None:
