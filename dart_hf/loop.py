@@ -388,7 +388,7 @@ def _decode(call: Call):
             while (producing := run.emit(batch, step, head_cache)) is not None:
                 batch, step = producing
                 clock = PhaseClock(batch.contexts.device, run.stats.sync_timing)
-                decision = run.decide(batch)
+                decision = run.decide(batch, clock)
                 trees, ancestors, pending, decision = run.draft(decision, batch, step, head_cache, clock)
                 step = run.verify(decision, trees, ancestors, batch, pending, clock)
         output = run.finish(step, head_cache)
@@ -487,19 +487,25 @@ class Run:
             self.context.select(keep)
         return _drop_rows(batch, step, head_cache, self.verifier.cache, keep)
 
-    def decide(self, batch: "Batch") -> StepDecision:
-        """The next step: `LAST_TOKEN` when every row needs one token more, else the policy's decision."""
+    def decide(self, batch: "Batch", clock: PhaseClock) -> StepDecision:
+        """The next step: `LAST_TOKEN` when every row needs one token more, else the policy's decision (phase
+        "decide" on `clock`, counted in the step's seconds, in no phase of the statistics)."""
         if all(self.stopper.remaining(row) == 1 for row in batch.rows):
-            return LAST_TOKEN
-        return self.policy.decide(len(batch.rows), self.verifier.cache.get_seq_length())
+            decision = LAST_TOKEN
+        else:
+            decision = self.policy.decide(len(batch.rows), self.verifier.cache.get_seq_length())
+        clock.mark("decide")
+        return decision
 
     def draft(self, decision: StepDecision, batch: "Batch", step: "Step", head_cache, clock: PhaseClock):
         """The trees `decision` asks for -> (trees, ancestors, the step with the head's pending rows consumed, the
         decision the trees carry out). A plain or last-token step verifies the roots alone (no head pass: the head's
-        rows wait for the next draft), as plain decoding decides one token; a tree step whose drafter proposed
-        nothing is a plain step."""
+        rows wait for the next draft; phase "roots" on `clock`), as plain decoding decides one token; a tree step
+        whose drafter proposed nothing is a plain step."""
         if not isinstance(decision, TreeStep):
-            return (*root_trees(batch.contexts[:, -1:]), step, decision)
+            trees, ancestors = root_trees(batch.contexts[:, -1:])
+            clock.mark("roots")
+            return trees, ancestors, step, decision
         tree_config = dataclasses.replace(self.tree_config, remain_total=decision.nodes)
         proposals = None if self.context is None else self.context.propose(batch.contexts.device,
                                                                            budget=decision.nodes)
@@ -873,7 +879,6 @@ def verify_step(verifier: _Verifier, trees: DraftTreeBatch, ancestors: torch.Ten
     new_ids = torch.cat((paths.tokens[:, 1:k], paths.tokens[:, :1]), dim=1).scatter(
         1, paths.accept_length[:, None], paths.bonus[:, None])  # [B, k] accepted tokens, bonus, padding
     counts = paths.accept_length + 1
-    rows = list(batch.rows)
     batch.columns = torch.cat((batch.columns, real), dim=1)
     batch.root_positions = batch.root_positions + counts
     batch.contexts = torch.cat((batch.contexts, new_ids), dim=1).gather(
@@ -884,7 +889,7 @@ def verify_step(verifier: _Verifier, trees: DraftTreeBatch, ancestors: torch.Ten
                 merge_rows(pending.aux_rows, pending.head_lengths, aux, counts),
                 merge_rows(pending.head_ids, pending.head_lengths, new_ids, counts), pending.head_lengths + counts)
     clock.mark("next")
-    return StepOutcome(step, rows, accepted, ranks, [row[len(row) - len(SOURCE_COUNTS):] for row in host],
+    return StepOutcome(step, batch.rows, accepted, ranks, [row[len(row) - len(SOURCE_COUNTS):] for row in host],
                        trees.num_nodes, past, clock.seconds, clock.phases)
 
 
