@@ -12,7 +12,8 @@ accepted tokens and the bonus are then the chain of chosen tokens itself, so sam
 * `verify_greedy` / `verify_sampled` - the argmax / one draw at every node, then `accept_chosen`: fixed shapes and
   no host sync when `max_depth` is given and `validate=False` (`verify_greedy` runs inside a CUDA graph).
 * `verify_tree` - the general entry point: HF-style logits processors applied per node with that node's exact
-  prefix, lazily at the nodes the walk visits.
+  prefix, lazily at the nodes the walk visits (all rows a depth at a time: a `BatchedProcessor` takes the rows'
+  nodes of one depth together).
 """
 
 from __future__ import annotations
@@ -27,12 +28,19 @@ from dart_core.tree import DraftTreeBatch
 # `proc(input_ids [1, T] int64, scores [1, V] float) -> scores [1, V]`, e.g. transformers' LogitsProcessorList.
 LogitsProcessor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 ContextIds = Union[torch.Tensor, Sequence[torch.Tensor]]
-# `scores_at(node, path) -> scores [V]`: a row's processed float32 scores after `node`, whose path (tokens after the
-# root) is `path`; `choose(node, path) -> token`: the target's token chosen there.
-ScoresAt = Callable[[int, list[int]], torch.Tensor]
-Choose = Callable[[int, list[int]], int]
 
-__all__ = ["VerifyResult", "accept_chosen", "verify_greedy", "verify_sampled", "verify_tree", "LogitsProcessor"]
+
+@dataclasses.dataclass(frozen=True)
+class BatchedProcessor:
+    """A logits processor that takes several tree rows' nodes at once: `fn(rows, input_ids [k, T] int64, scores
+    [k, V] float32) -> [k, V]`, line j for a node of tree row rows[j] (distinct rows, prefixes of one length T). Line
+    j of the result must be what processing that node alone gives."""
+
+    fn: Callable[[list[int], torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+__all__ = ["VerifyResult", "accept_chosen", "verify_greedy", "verify_sampled", "verify_tree", "LogitsProcessor",
+           "BatchedProcessor"]
 
 
 @dataclasses.dataclass
@@ -296,7 +304,7 @@ def verify_tree(
     trees: DraftTreeBatch,
     logits: torch.Tensor,
     context_ids: Optional[ContextIds] = None,
-    logits_processor: Optional[LogitsProcessor | Sequence[LogitsProcessor]] = None,
+    logits_processor: Optional[LogitsProcessor | Sequence[LogitsProcessor] | BatchedProcessor] = None,
     do_sample: bool = False,
     generator: Optional[torch.Generator] = None,
 ) -> VerifyResult:
@@ -307,7 +315,9 @@ def verify_tree(
                       the root up to i. Required when a processor is given; each row must end with its root token.
     logits_processor  `proc(input_ids [1, T'], scores [1, V]) -> scores [1, V]`, applied lazily to float32 scores
                       at visited nodes only, with the node's exact prefix as `input_ids`; or a sequence of B such
-                      processors, row b's for row b.
+                      processors, row b's for row b; or a `BatchedProcessor`, called once per depth of the walk and
+                      prefix length with every row whose visited node has a prefix of that length (a step that
+                      verifies the roots alone of equal-length rows: one call).
     do_sample         how the target's token is chosen at a visited node: False, the argmax of the processed
                       scores; True, one draw (`torch.multinomial` with `generator`) from their softmax, once per
                       distinct token path. The walk is the module's one rule, so without a processor this is exactly
@@ -332,69 +342,114 @@ def verify_tree(
                 "context_ids is the sequence up to and including the root"
             )
 
-    device = logits.device
+    process = logits_processor if isinstance(logits_processor, BatchedProcessor) else \
+        BatchedProcessor(_one_row_at_a_time(logits_processor))
     counts = trees.valid.sum(dim=1).tolist()
-    all_tokens = trees.tokens.tolist()
-    all_parents = trees.parents.tolist()
-    rows_nodes: list[list[int]] = []
-    bonus_tokens: list[int] = []
-
-    for b in range(trees.batch_size):
-        n = counts[b]
-        tokens, parents = all_tokens[b][:n], all_parents[b][:n]
-        children: list[list[int]] = [[] for _ in range(n)]
-        for j in range(1, n):
-            children[parents[j]].append(j)
-        ctx = contexts[b].to(device=device, dtype=torch.long)
-        proc = logits_processor[b] if isinstance(logits_processor, (list, tuple)) else logits_processor
-
-        def scores_at(node: int, path: list[int], _b: int = b, _ctx: torch.Tensor = ctx,
-                      _proc: LogitsProcessor = proc) -> torch.Tensor:
-            # clone: processors may work in place and a float32 `.float()` would alias the caller's logits
-            scores = logits[_b, node].to(torch.float32, copy=True)[None]
-            ids = torch.cat([_ctx, torch.tensor(path, dtype=torch.long, device=device)])[None]
-            scores = _proc(ids, scores)
-            if tuple(scores.shape) != (1, vocab):
-                raise ValueError(f"logits_processor returned shape {tuple(scores.shape)}, expected (1, {vocab})")
-            return scores[0]
-
-        choose = _drawn(scores_at, _first_nodes(tokens, parents), b, generator) if do_sample else _argmax(scores_at)
-        nodes, bonus = _walk(tokens, parents, children, choose)
-        rows_nodes.append(nodes)
-        bonus_tokens.append(bonus)
-
+    tokens = [row[:n] for row, n in zip(trees.tokens.tolist(), counts)]
+    parents = [row[:n] for row, n in zip(trees.parents.tolist(), counts)]
+    nodes, bonus = _processed_walk(tokens, parents, contexts, logits, process, do_sample, generator)
+    device = logits.device
     accepted = torch.full((trees.batch_size, _deepest(trees) + 1), -1, dtype=torch.long)
-    for b, nodes in enumerate(rows_nodes):
-        accepted[b, : len(nodes)] = torch.tensor(nodes, dtype=torch.long)
-    return VerifyResult(
-        accepted.to(device),
-        torch.tensor([len(x) - 1 for x in rows_nodes], dtype=torch.long, device=device),
-        torch.tensor(bonus_tokens, dtype=torch.long, device=device),
-    )
+    for b, path in enumerate(nodes):
+        accepted[b, : len(path)] = torch.tensor(path, dtype=torch.long)
+    return VerifyResult(accepted.to(device), torch.tensor([len(x) - 1 for x in nodes], dtype=torch.long, device=device),
+                        torch.tensor(bonus, dtype=torch.long, device=device))
 
 
-def _walk(tokens: list[int], parents: list[int], children: list[list[int]], choose: Choose) -> tuple[list[int], int]:
-    """The chosen-token walk over one tree's valid nodes (`accept_chosen`'s rule, lazily): depth-first over the
-    children that carry the token chosen at their parent -> (accepted path root first, bonus). The accepted node is the
-    deepest reached, ties -> smallest index. With distinct siblings this visits exactly the accepted path (depth + 1
-    calls of `choose`)."""
-    best, best_path, best_token = 0, [], -1
-    stack: list[tuple[int, list[int]]] = [(0, [])]
-    while stack:
-        node, path = stack.pop()
-        token = choose(node, path)
-        if len(path) > len(best_path) or (len(path) == len(best_path) and node <= best):
-            best, best_path, best_token = node, path, token
-        stack.extend((c, path + [token]) for c in reversed(children[node]) if tokens[c] == token)
-    nodes = [best]
-    while nodes[-1] > 0:
-        nodes.append(parents[nodes[-1]])
-    return nodes[::-1], best_token
+def _one_row_at_a_time(processor) -> Callable:
+    """A `BatchedProcessor`'s function calling `processor` (one, or one per tree row) once per row, [1, T] / [1, V]."""
+    def call(rows: list[int], ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        out = []
+        for j, b in enumerate(rows):
+            proc = processor[b] if isinstance(processor, (list, tuple)) else processor
+            one = proc(ids[j : j + 1], scores[j : j + 1])
+            if tuple(one.shape) != (1, scores.shape[-1]):
+                raise ValueError(f"logits_processor returned shape {tuple(one.shape)}, expected (1, {scores.shape[-1]})")
+            out.append(one)
+        return torch.cat(out)
+
+    return call
 
 
-def _argmax(scores_at: ScoresAt) -> Choose:
-    """Greedy choice: the first maximum of the node's processed scores."""
-    return lambda node, path: int(scores_at(node, path).argmax())
+def _processed_walk(tokens: list[list[int]], parents: list[list[int]], contexts: list[torch.Tensor],
+                    logits: torch.Tensor, process: "BatchedProcessor", do_sample: bool,
+                    generator: Optional[torch.Generator]) -> tuple[list[list[int]], list[int]]:
+    """The chosen-token walk over every row's valid nodes (`accept_chosen`'s rule, lazily), all rows a depth at a
+    time: the nodes of one depth whose parent's chosen token they carry are visited together, their processed scores
+    computed in one `process` call per prefix length (each row once a call) -> per row (accepted path root first,
+    bonus). Greedy chooses the argmax at every visited node; sampling one draw per distinct token path, made at the
+    first node with that path (`_first_nodes`). The accepted node is the deepest reached, ties -> smallest index; with
+    distinct siblings this visits exactly each row's accepted path."""
+    rows = len(tokens)
+    children = [[[] for _ in row] for row in tokens]
+    for b, row in enumerate(parents):
+        for j in range(1, len(row)):
+            children[b][row[j]].append(j)
+    first = [_first_nodes(t, p) for t, p in zip(tokens, parents)] if do_sample else None
+    draws: list[dict[int, int]] = [{} for _ in range(rows)]  # sampling: first node of a path -> its draw
+    frontier = [[(0, [])] for _ in range(rows)]  # per row, the (node, path after the root) visited at this depth
+    best: list[tuple[int, int]] = [(0, -1)] * rows  # per row, (deepest node reached, the token chosen there)
+    while any(frontier):
+        chosen = _choose_at(frontier, first, draws, contexts, logits, process, do_sample, generator)
+        for b in range(rows):
+            if frontier[b]:
+                best[b] = min(zip((node for node, _ in frontier[b]), chosen[b]))  # the same depth: smallest index
+        frontier = [[(c, path + [token]) for (node, path), token in zip(frontier[b], chosen[b])
+                     for c in children[b][node] if tokens[b][c] == token] for b in range(rows)]
+    paths = []
+    for b, (node, _) in enumerate(best):
+        path = [node]
+        while path[-1] > 0:
+            path.append(parents[b][path[-1]])
+        paths.append(path[::-1])
+    return paths, [token for _, token in best]
+
+
+def _choose_at(frontier: list[list[tuple[int, list[int]]]], first: Optional[list[list[int]]],
+               draws: list[dict[int, int]], contexts: list[torch.Tensor], logits: torch.Tensor,
+               process: "BatchedProcessor", do_sample: bool, generator: Optional[torch.Generator]) -> list[list[int]]:
+    """The token chosen at each frontier node (per row, in frontier order): rows' nodes that need processed scores
+    go to `process` in rounds, each round one node per row and one prefix length."""
+    vocab = logits.shape[-1]
+    need = [[(first[b][node] if do_sample else node, path) for node, path in nodes] for b, nodes in enumerate(frontier)]
+    todo = [[(key, path) for i, (key, path) in enumerate(nodes) if not (do_sample and (key in draws[b]
+             or any(k == key for k, _ in nodes[:i])))] for b, nodes in enumerate(need)]  # sampling: once per path
+    greedy: list[dict[int, int]] = [{} for _ in frontier]
+    while any(todo):
+        by_length: dict[int, list[int]] = {}
+        for b, nodes in enumerate(todo):
+            if nodes:
+                by_length.setdefault(contexts[b].shape[0] + len(nodes[0][1]), []).append(b)
+        for length, rows in by_length.items():
+            picked = [todo[b].pop(0) for b in rows]
+            ids = torch.stack([torch.cat((contexts[b].to(logits.device, torch.long),
+                                          torch.tensor(path, dtype=torch.long, device=logits.device)))
+                               for b, (_, path) in zip(rows, picked)])  # [k, length]
+            # a copy: processors may work in place and a float32 `.float()` would alias the caller's logits
+            scores = torch.stack([logits[b, key] for b, (key, _) in zip(rows, picked)]).to(torch.float32, copy=True)
+            scores = process.fn(rows, ids, scores)
+            if tuple(scores.shape) != (len(rows), vocab):
+                raise ValueError(f"logits_processor returned shape {tuple(scores.shape)}, expected "
+                                 f"({len(rows)}, {vocab})")
+            tokens = _sample(scores, rows, [key for key, _ in picked], generator) if do_sample else \
+                scores.argmax(dim=-1).tolist()
+            for b, (key, _), token in zip(rows, picked, tokens):
+                (draws[b] if do_sample else greedy[b])[key] = token
+    return [[(draws[b] if do_sample else greedy[b])[key] for key, _ in nodes] for b, nodes in enumerate(need)]
+
+
+def _sample(scores: torch.Tensor, rows: list[int], nodes: list[int], generator: Optional[torch.Generator]) -> list[int]:
+    """One draw from softmax(scores[j]) for each j (scores [k, V] of row rows[j]'s node nodes[j]), on `generator`'s
+    device."""
+    p = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    if generator is not None:
+        p = p.to(generator.device)
+    valid = (p.sum(dim=-1) > 0).tolist()  # all -inf (or NaN) scores give NaN
+    if not all(valid):
+        j = valid.index(False)
+        raise ValueError(f"processed scores at row {rows[j]}, node {nodes[j]} give no valid distribution "
+                         "(all -inf or NaN)")
+    return torch.multinomial(p, 1, generator=generator)[:, 0].tolist()
 
 
 def _first_nodes(tokens: list[int], parents: list[int]) -> list[int]:
@@ -405,24 +460,3 @@ def _first_nodes(tokens: list[int], parents: list[int]) -> list[int]:
         paths.append(paths[parent] + (token,) if parent >= 0 else ())
         first.setdefault(paths[j], j)
     return [first[p] for p in paths]
-
-
-def _drawn(scores_at: ScoresAt, first: list[int], row: int, generator: Optional[torch.Generator]) -> Choose:
-    """Sampling choice: one draw from softmax(processed scores) per distinct path, made at the first node with that
-    path (`first`, from `_first_nodes`; duplicate siblings and their subtrees share its draws), on `generator`'s
-    device."""
-    draws: dict[int, int] = {}
-
-    def choose(node: int, path: list[int]) -> int:
-        node = first[node]
-        if node not in draws:
-            p = torch.softmax(scores_at(node, path), dim=-1, dtype=torch.float32)
-            if generator is not None:
-                p = p.to(generator.device)
-            if not float(p.sum()) > 0:  # all -inf (or NaN) scores
-                raise ValueError(f"processed scores at row {row}, node {node} give no valid distribution "
-                                 "(all -inf or NaN)")
-            draws[node] = int(torch.multinomial(p, 1, generator=generator))
-        return draws[node]
-
-    return choose

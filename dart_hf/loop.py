@@ -3,6 +3,7 @@ all trees in one target forward."""
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import dataclasses
 import functools
@@ -29,7 +30,7 @@ from dart_runtime.sync import synchronize
 from dart_runtime.timing import now
 from dart_core.tree import score_ranks
 from dart_hf.compat import cache_from_caller, supports_logits_to_keep
-from dart_hf.processors import processor_refusal, row_processor
+from dart_hf.processors import batch_processor, processor_refusal
 from dart_hf.stopping import Stopper, pad_token
 from dart_hf.target import (AttentionLayout, TargetPlan, attention_layout, check_architecture, check_attention,
                             check_cache, check_ngram_fits, check_tree_fits, crop_cache, hidden_state_request,
@@ -384,7 +385,7 @@ def _decode(call: Call):
                                           run.prepared.positions, run.prepared.past, carried, run.context_len,
                                           run.stats)
         load_kernel_choices()  # what earlier processes measured here (once per process)
-        with tree_forwards(call.model), few_row_linears(head):
+        with few_row_linears(head):
             while (producing := run.emit(batch, step, head_cache)) is not None:
                 batch, step = producing
                 clock = PhaseClock(batch.contexts.device, run.stats.sync_timing)
@@ -575,10 +576,11 @@ class Batch:
     columns: torch.Tensor  # [B, S] bool: cache columns holding the sequence's tokens (not padding, not holes)
     root_positions: torch.Tensor  # [B] int64: the position id of each sequence's root (the token after the cache)
     contexts: torch.Tensor  # [B, C] the last C tokens of each sequence, ending with the root (left-padded with -1)
+    dense: bool  # known on the host: every cache column of every row holds a token (no padding, no hole)
 
     def select(self, keep: torch.Tensor) -> "Batch":
         return Batch([self.rows[i] for i in keep.tolist()], self.columns[keep], self.root_positions[keep],
-                     self.contexts[keep])
+                     self.contexts[keep], self.dense)
 
 
 @dataclasses.dataclass
@@ -632,8 +634,7 @@ class _Verifier:
             bonus = logits[:, 0].argmax(dim=-1)  # [B] a lone root: generate()'s argmax
             b = bonus.shape[0]
             return Paths(bonus.new_zeros(b), bonus, bonus.new_zeros(b, 1), trees.tokens[:, :1], bonus.new_zeros(b, 0))
-        processors = None if self.processors is None else [
-            row_processor(self.processors, sequences, row, self.pad) for row in rows]
+        processors = None if self.processors is None else batch_processor(self.processors, sequences, rows, self.pad)
         result = verify_tree(trees, logits, context_ids=[sequences[row][0] for row in rows],
                              logits_processor=processors, do_sample=self.do_sample)
         return Paths(*path_summary(trees, result))
@@ -768,7 +769,8 @@ def prefill(verifier: _Verifier, head: DartHead, input_ids: torch.Tensor, attent
         head_cache = head.new_cache(b)
     tokens = torch.where(attention_mask.bool(), input_ids, -1)
     contexts = torch.cat((torch.full((b, context_len), -1, device=device), tokens, first[:, None]), dim=1)
-    batch = Batch(list(range(b)), attention_mask.bool(), positions[:, -1] + 1, contexts[:, -context_len:])
+    batch = Batch(list(range(b)), attention_mask.bool(), positions[:, -1] + 1, contexts[:, -context_len:],
+                  not padded)
     step = Step([[x] for x in first.tolist()], first[:, None], torch.zeros(b, 1, dtype=torch.long, device=device),
                 logits, aux_rows, head_ids, head_lengths)
     clock.mark("prefill")
@@ -853,11 +855,16 @@ def verify_step(verifier: _Verifier, trees: DraftTreeBatch, ancestors: torch.Ten
     device = batch.contexts.device
     dtype = next(verifier.model.parameters()).dtype
     past = verifier.cache.get_seq_length()
-    mask = tree_attention_mask(ancestors, batch.columns, dtype, trees.depths, verifier.layout,
-                               sliding_dropped(verifier.cache, past))
+    if trees.num_nodes == 1 and len(batch.rows) == 1 and batch.dense and verifier.layout.window is None:
+        mask = None  # one token over a whole cache: plain's own step, the model's own (causal) mask
+    else:
+        mask = tree_attention_mask(ancestors, batch.columns, dtype, trees.depths, verifier.layout,
+                                   sliding_dropped(verifier.cache, past))
     clock.mark("mask")
-    out = tree_forward(verifier.model, trees.tokens, batch.root_positions[:, None] + trees.depths, mask, verifier.cache,
-                       verifier.plan.layer_ids)
+    # a tree takes the kernels that suit tree verification; the roots alone are a plain step, with plain's kernels
+    with tree_forwards(verifier.model) if trees.num_nodes > 1 else contextlib.nullcontext():
+        out = tree_forward(verifier.model, trees.tokens, batch.root_positions[:, None] + trees.depths, mask,
+                           verifier.cache, verifier.plan.layer_ids)
     clock.mark("target")
     logits = out.logits.float()  # [B, N, V]
     paths = verifier.accept(trees, logits, ancestors, sequences, batch.rows)
@@ -880,6 +887,7 @@ def verify_step(verifier: _Verifier, trees: DraftTreeBatch, ancestors: torch.Ten
         1, paths.accept_length[:, None], paths.bonus[:, None])  # [B, k] accepted tokens, bonus, padding
     counts = paths.accept_length + 1
     batch.columns = torch.cat((batch.columns, real), dim=1)
+    batch.dense = batch.dense and min(accepted) == max(accepted)  # a shorter path leaves a hole
     batch.root_positions = batch.root_positions + counts
     batch.contexts = torch.cat((batch.contexts, new_ids), dim=1).gather(
         1, counts[:, None] + torch.arange(batch.contexts.shape[1], device=device))

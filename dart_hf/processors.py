@@ -5,16 +5,17 @@ stopping criteria): it gets the caller's batch layout, row i holding row i's exa
 Stopping criteria get plain's very calls (`dart_hf.stopping.Stopper` makes them in lockstep once every row has
 reached the step). Logits processors decide the tokens themselves, so they are called before the other rows have
 reached the step: plain calls its processor list with `input_ids` [B, T] (every row's prefix, left padding included)
-and `scores` [B, V] and reads row i of the result for row i; DART verifies each row at its own pace, one tree node at
-a time, so it calls the list once per visited node with the same layout: the row being verified in its own slot i
-with that node's exact prefix, every other row its own tokens cut (or left-padded with generate()'s pad token) to
-the same length with zero scores, and reads slot i. A processor that treats rows differently (per-row rules,
+and `scores` [B, V] and reads row i of the result for row i; DART verifies each row at its own pace, a tree depth at a
+time, so it calls the list once per depth of the walk and prefix length with the same layout: each row verified there
+in its own slot i with its visited node's exact prefix and scores, every other row its own tokens cut (or left-padded
+with generate()'s pad token) to the same length with zero scores, and reads those slots. A step that verifies the
+roots alone of rows of equal length makes plain's very call. A processor that treats rows differently (per-row rules,
 `prefix_allowed_tokens_fn`'s batch id, a prompt length per row) therefore applies row i's rule to row i, and one
 that checks the batch size sees generate()'s.
 
 That is exact for processors whose output for a row depends on that row's prefix and scores alone, and only for
-those: plain calls a processor once per step, DART once per visited node, so one that counts its calls or keeps
-anything else between calls gives other output. The rule (`processor_refusal`): a processor whose class transformers
+those: plain calls a processor once per step, DART once per depth of its walk, so one that counts its calls or
+keeps anything else between calls gives other output. The rule (`processor_refusal`): a processor whose class transformers
 defines is known (all of them are stateless but `STATEFUL`, which are refused by name); any other processor (a
 custom class, a function, a subclass of transformers' own) cannot be told apart by its class, so DART refuses it by
 name unless the caller declares the call's processors stateless (`generate(..., dart_stateless_processors=True)`).
@@ -24,18 +25,17 @@ warning. `prefix_allowed_tokens_fn` is a function of (batch id, prefix) by trans
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
+
+from dart_core.verify import BatchedProcessor
 
 # transformers' processors that keep state between calls (classifier-free guidance's cache of the unconditional
 # pass, SynthID's watermarking context, Dia's per-row EOS countdown) or follow a whole-batch timeline (Whisper's):
 # their calls cannot be replayed per verified node
 STATEFUL = ("UnbatchedClassifierFreeGuidanceLogitsProcessor", "WhisperTimeStampLogitsProcessor",
             "WhisperNoSpeechDetection", "SynthIDTextWatermarkLogitsProcessor", "DiaEOSDelayPatternLogitsProcessor")
-
-RowProcessor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (ids [1, T], scores [1, V]) -> [1, V]
-
 
 def _each(processors):
     """The processors of a list, nested lists flattened."""
@@ -90,19 +90,20 @@ def _cut(tokens: torch.Tensor, length: int, pad: int) -> torch.Tensor:
     return torch.cat((tokens.new_full((length - tokens.shape[0],), pad), tokens))
 
 
-def row_processor(processors, sequences: list[torch.Tensor], row: int, pad: Optional[int]) -> RowProcessor:
-    """Caller's row `row`'s view of `processors` (module docstring): `sequences` holds every row's tokens so far
-    ([1, L_r] each, left padding included); `pad` (0 when None) fills rows shorter than the prefix asked about."""
-    if len(sequences) == 1:
-        return processors
+def batch_processor(processors, sequences: list[torch.Tensor], rows: list[int], pad: Optional[int]) -> BatchedProcessor:
+    """`processors` in the caller's batch layout (module docstring), for `dart_core.verify.verify_tree`: tree row j is
+    the caller's row rows[j]; `sequences` holds every caller's row's tokens so far ([1, L_r] each, left padding
+    included); `pad` (0 when None) fills rows shorter than the prefix asked about."""
     pad = 0 if pad is None else pad
 
-    def call(ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        length = ids.shape[1]
-        batch_ids = torch.stack([ids[0] if r == row else _cut(seq[0].to(ids.device), length, pad)
-                                 for r, seq in enumerate(sequences)])  # [B, T]
+    def call(tree_rows: list[int], ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if len(sequences) == 1:
+            return processors(ids, scores)
+        slots = torch.tensor([rows[j] for j in tree_rows], device=ids.device)
+        batch_ids = torch.stack([_cut(seq[0].to(ids.device), ids.shape[1], pad) for seq in sequences])  # [B, T]
+        batch_ids[slots] = ids
         batch_scores = scores.new_zeros(len(sequences), scores.shape[-1])
-        batch_scores[row] = scores[0]
-        return processors(batch_ids, batch_scores)[row : row + 1]
+        batch_scores[slots] = scores
+        return processors(batch_ids, batch_scores)[slots]
 
-    return call
+    return BatchedProcessor(call)

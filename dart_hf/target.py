@@ -322,11 +322,12 @@ def prompt_positions(attention_mask: torch.Tensor) -> torch.Tensor:
     return positions.masked_fill(attention_mask == 0, 1)
 
 
-def tree_forward(model, node_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache,
+def tree_forward(model, node_ids: torch.Tensor, positions: torch.Tensor, mask: Optional[torch.Tensor], cache,
                  layer_ids: tuple[int, ...]):
     """The target over one tree block appended to `cache`: node_ids / positions [B, N], additive mask
-    [B, 1, N, past+N] -> the model output (logits [B, N, V], hidden states at `layer_ids`). Run inside
-    `tree_forwards(model)` for the faster kernels."""
+    [B, 1, N, past+N] (None: the model's own causal mask, for a block that is a chain over a cache of tokens alone) ->
+    the model output (logits [B, N, V], hidden states at `layer_ids`). Run inside `tree_forwards(model)` for the
+    faster kernels."""
     return model(input_ids=node_ids, position_ids=positions, attention_mask=mask, past_key_values=cache,
                  use_cache=True, output_hidden_states=hidden_state_request(layer_ids))
 

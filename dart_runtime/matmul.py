@@ -25,8 +25,9 @@ doubling the target's memory.
 
 The model is never switched back and forth: the first use installs on each `nn.Linear` whose `forward` is the class's
 own (modules wrapped by hooks that replace `forward`, e.g. accelerate's offloading, are left alone) a `FewRowForward`,
-which computes `F.linear` (exactly `nn.Linear.forward`) unless the current context is inside `few_row_linears`. So
-another thread, or code after an interrupted call, computes with the layers' own kernel; installing is idempotent and
+which computes `F.linear` (exactly `nn.Linear.forward`) unless the current context is inside `few_row_linears` of a
+module that holds the layer. So another thread, another module, or code after an interrupted call, computes with the
+layers' own kernel; installing is idempotent and
 locked, the same pattern transformers uses for its output-capturing hooks.
 """
 
@@ -175,15 +176,19 @@ def few_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return transposed_linear(x, weight, bias) if faster else F.linear(x, weight, bias)
 
 
-# the product of the few-row linear layers in the current context; None: `F.linear`, the layers' own
-_PRODUCT: contextvars.ContextVar[Optional[Callable]] = contextvars.ContextVar("dart_few_row_product", default=None)
+# in the current context: (the product of the few-row linear layers, the ids of the layers it applies to); None:
+# every layer computes `F.linear`, its own
+_PRODUCT: contextvars.ContextVar[Optional[tuple[Callable, frozenset]]] = contextvars.ContextVar(
+    "dart_few_row_product", default=None)
 _INSTALL_LOCK = threading.Lock()
-_INSTALLED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # modules whose walk is done
+# module -> the ids of its `nn.Linear` layers that compute through a `FewRowForward` (its walk is done)
+_INSTALLED: "weakref.WeakKeyDictionary[nn.Module, frozenset]" = weakref.WeakKeyDictionary()
 
 
 class FewRowForward:
     """The `forward` of an `nn.Linear` that DART has used: `F.linear(x, weight, bias)` (the layer's own), or inside
-    `few_row_linears` in this context, that block's product. Picklable and copyable with its layer."""
+    `few_row_linears` of a module holding it, in this context, that block's product. Picklable and copyable with its
+    layer."""
 
     __slots__ = ("layer",)
 
@@ -191,18 +196,19 @@ class FewRowForward:
         self.layer = layer
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        product = _PRODUCT.get()
+        active = _PRODUCT.get()
         layer = self.layer
-        if product is None or layer.weight.device.type != "cpu":
+        if active is None or id(layer) not in active[1] or layer.weight.device.type != "cpu":
             return F.linear(x, layer.weight, layer.bias)
-        return product(x, layer.weight, layer.bias)
+        return active[0](x, layer.weight, layer.bias)
 
 
-def install_few_row_forwards(*modules: nn.Module) -> None:
+def install_few_row_forwards(*modules: nn.Module) -> frozenset:
     """Give every `nn.Linear` of `modules` whose `forward` is the class's own a `FewRowForward` (the walk once per
-    module; idempotent, safe to race)."""
-    if all(module in _INSTALLED for module in modules):
-        return
+    module; idempotent, safe to race) -> the ids of all of their layers that have one."""
+    found = [_INSTALLED.get(module) for module in modules]
+    if all(ids is not None for ids in found):
+        return frozenset().union(*found)
     with _INSTALL_LOCK:
         for module in modules:
             if module in _INSTALLED:
@@ -212,7 +218,8 @@ def install_few_row_forwards(*modules: nn.Module) -> None:
             for m in layers:
                 if "forward" not in m.__dict__:
                     m.forward = FewRowForward(m)
-            _INSTALLED.add(module)
+            _INSTALLED[module] = frozenset(id(m) for m in layers)
+        return frozenset().union(*(_INSTALLED[module] for module in modules))
 
 
 @contextlib.contextmanager
@@ -220,8 +227,10 @@ def few_row_linears(*modules: nn.Module, product: Callable = few_row_linear) -> 
     """Within the block, in this context only, the `nn.Linear` layers of `modules` with CPU weights compute through
     `product(x, weight, bias)` (default: few-row inputs as `W @ x.T` where that is faster here; benchmarks pass
     other products)."""
-    install_few_row_forwards(*modules)
-    token = _PRODUCT.set(product)
+    layers, outer = install_few_row_forwards(*modules), _PRODUCT.get()
+    if outer is not None and outer[0] is product:  # nested in a block of the same product: both modules' layers
+        layers |= outer[1]
+    token = _PRODUCT.set((product, layers))
     try:
         yield
     finally:

@@ -154,3 +154,26 @@ def test_few_row_linears_end_on_error_and_layers_stay_picklable():
     assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias)) and not calls
     for clone in (pickle.loads(pickle.dumps(layer)), copy.deepcopy(layer)):
         assert torch.equal(clone(x), layer(x)) and clone.forward.layer is clone
+
+
+def test_few_row_linears_apply_to_the_blocks_own_modules_only():
+    """A module used in an earlier block keeps its own kernel in a block of another module (a plain step of the target
+    inside the head's block), and nested blocks apply to both."""
+    target, head = nn.Linear(8, 4), nn.Linear(8, 4)
+    calls = []
+
+    def product(x, weight, bias):
+        calls.append(weight is target.weight)
+        return F.linear(x, weight, bias)
+
+    x = torch.randn(3, 8)
+    with few_row_linears(target, product=product):
+        target(x)
+    assert calls == [True]
+    with few_row_linears(head, product=product):
+        target(x)  # installed, but not this block's
+        assert calls == [True]
+        head(x)
+        with few_row_linears(target, product=product):
+            target(x), head(x)
+    assert calls == [True, False, True, False]
