@@ -306,7 +306,9 @@ class SpeedController:
         """Seconds of one DART step at `size` in regime `key`: timed there; else the prior times the regime's scale,
         unless the timed sizes show the prior's shape is wrong there (their timed / prior ratios differ by more than
         `SHAPE_TOLERANCE`: a measurement taken under load is bent, not only scaled) and span enough verified
-        rows: then the line through (rows verified, seconds) of the timed sizes (`fit_line`)."""
+        rows: then the line through (rows verified, seconds) of the timed sizes (`fit_line`). Without a calibrated cost,
+        a regime where no size is timed yet predicts its plain step plus what the drafted rows add in another regime
+        (`drafting_s`)."""
         regime = self.regimes[key]
         timed = regime.timed()
         if size in timed:
@@ -318,6 +320,9 @@ class SpeedController:
             line = fit_line(points)
             if line is None and plain is not None:
                 line = fit_line(points + [(key[0], plain, regime.plain.weight)])
+            if line is None and not timed and plain is not None:  # nothing timed here: what drafting adds elsewhere
+                extra = self.drafting_s(key, key[0] * size)
+                return None if extra is None else max(plain + extra, 1e-9)
             return None if line is None else max(line[0] + line[1] * key[0] * (size + 1), 1e-9)
         ratios = [m.value / self.prior_step_s(key, r) for r, m in timed.items()]
         if len(ratios) >= 2 and max(ratios) > SHAPE_TOLERANCE * min(ratios):
@@ -325,6 +330,20 @@ class SpeedController:
             if line is not None:
                 return max(line[0] + line[1] * key[0] * (size + 1), 1e-9)
         return prior * (regime.scale.value or 1.0)
+
+    def drafting_s(self, key: tuple[int, int], draft_rows: int) -> Optional[float]:
+        """Seconds that drafting and verifying `draft_rows` draft nodes add to a plain step, as measured in the other
+        regime with the most timed DART steps (its line through (rows verified, seconds) of its timed sizes and its
+        plain step, `fit_line`), or None where no other regime has such a line: a regime's first tree is chosen from
+        what trees cost elsewhere, not taken blind."""
+        others = [(sum(m.weight for m in r.timed().values()), k, r) for k, r in self.regimes.items()
+                  if k != key and r.timed() and r.plain.value is not None]
+        for _, other, regime in sorted(others, key=lambda x: (-x[0], x[1])):
+            points = [(other[0] * (r + 1), m.value, m.weight) for r, m in regime.timed().items()]
+            line = fit_line(points) or fit_line(points + [(other[0], regime.plain.value, regime.plain.weight)])
+            if line is not None:  # a step of its own plain rows plus `draft_rows`, less its plain step
+                return line[0] + line[1] * (other[0] + draft_rows) - regime.plain.value
+        return None
 
     def tau_of(self, sampled: bool) -> dict[int, float]:
         """{size: tau} for the sizes whose estimate rests on enough evidence, made non-decreasing in the size (a

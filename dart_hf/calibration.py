@@ -435,10 +435,10 @@ def save_kernel_choices() -> None:
     write_cache_file(kernel_choices_path(), {"version": KERNELS_VERSION, "choices": choices})
 
 
-def cached_machine_cost(model, head: DartHead) -> Optional[MachineCost]:
-    """The cached cost for this device, thread count, target and head, or None. A cache file that cannot be read as
-    one is ignored with a warning naming it (measuring again replaces it)."""
-    ident = identity(model, head)
+def cached_machine_cost(model, head: DartHead, ident: Optional[dict] = None) -> Optional[MachineCost]:
+    """The cached cost for this device, thread count, target and head (`ident`: their `identity`, when known), or
+    None. A cache file that cannot be read as one is ignored with a warning naming it (measuring again replaces it)."""
+    ident = identity(model, head) if ident is None else ident
     path = cost_path(ident)
     try:
         raw = read_cache_file(path)

@@ -98,12 +98,12 @@ def controller_for(model, head: DartHead, context: Optional[bool] = None, store:
         found = _CONTROLLERS.get(head, {}).get(key)
         if found is not None:
             return found.controller
-        cost = cached_machine_cost(model, head)
+        ident = identity(model, head)
+        cost = cached_machine_cost(model, head, ident)
         base = base_tree_config(model, head)
         curve = head.acceptance
         largest = max(curve.tau) if curve is not None else base.remain_total
         sizes = [r for r in CANDIDATES if r <= largest] + ([largest] if largest not in CANDIDATES else [])
-        ident = identity(model, head)
         controller = SpeedController(sizes, cost, curve, start_size=first_size(head, base, sizes))
         learned = LearnedFile(controller, learned_path(ident, key[-1]), ident)
         learned.load()

@@ -4,7 +4,7 @@ regimes) whose verdict is the same on every CPU."""
 
 import pytest
 
-from dart_core import TreeConfig
+from dart_core import AcceptanceCurve, TreeConfig
 from dart_core.acceptance import accepted_within
 from dart_core.speed import (FIRST_PROBE_AFTER, MAX_PROBE_AFTER, WINDOW, Mean, SpeedController, choose_tree_size,
                              fit_line, regime_key)
@@ -282,3 +282,23 @@ def test_a_fixed_tree_decides_every_step_alike_and_a_tree_step_needs_nodes():
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match="draft nodes"):
             TreeStep(bad)
+
+
+def test_a_regimes_first_tree_is_chosen_from_what_trees_cost_in_another():
+    """Batch 1 timed its trees (a drafted row adds 10 ms); at batch 8, with only plain steps timed, a step is predicted
+    as plain's plus what its 8 x R drafted rows add, so the first tree there is the cheapest that pays, not the start
+    size, the best at batch 1 (8 x 3 rows would cost 240 ms more for a tau of 2.6)."""
+    curve = AcceptanceCurve(tau={1: 1.6, 2: 2.2, 3: 2.6}, steps=100, new_tokens=100, prompts=1)
+    ctrl = SpeedController([1, 2, 3], None, curve, start_size=3)
+    one, eight = regime_key(1, 100), regime_key(8, 100)
+    for key, plain in ((one, 0.050), (eight, 0.080)):
+        ctrl.regime(key[0], 100)
+        for _ in range(5):
+            ctrl.observe_plain(key, plain)
+    assert ctrl.step_s(eight, 1) is None  # nothing timed anywhere: no prediction (the start size is taken)
+    for size in (1, 3):
+        for _ in range(3):
+            ctrl.observe_step(one, size, 0.050 + 0.010 * size + 0.002, [], False)  # timed only: tau stays
+    assert ctrl.step_s(eight, 1) == pytest.approx(0.080 + 0.002 + 0.010 * 8)
+    assert ctrl.step_s(eight, 3) == pytest.approx(0.080 + 0.002 + 0.010 * 24)
+    assert ctrl.best(eight, False)[0] == 1 and ctrl.best(one, False)[0] == 3
