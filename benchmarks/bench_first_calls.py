@@ -11,11 +11,13 @@ Scenarios (`--scenarios`), SmolLM2-135M-Instruct float32, greedy, held-out chat 
 - cannot_pay: a head of the shipped shape with random weights and no acceptance curve (it accepts next to nothing),
   4 calls x 48 tokens on 4 prompts, the session's total time;
 - batches: one untimed call at batch 1, then two calls at batch 4 (4 prompts, left-padded) and two at batch 8, 48
-  tokens each; each call timed;
+  tokens each; each call timed; a second call repeats the first one's prompts, so the store of earlier outputs that
+  `enable` attaches can copy its answers;
 - demo: `dart-spec demo`'s own measurement (plain and DART alternated after a streamed warm-up), in a fresh session.
 
-A DART session and a plain session alternate for each repeat (plain: the same calls with `dart_head=False` on a model
-with nothing attached); a ratio is plain's seconds over DART's for the same calls (the demo: its tokens/s ratio).
+A DART session and a plain session alternate for each of `--repeats` repeats (plain: the same calls with
+`dart_head=False` on a model with nothing attached); a ratio is plain's seconds over DART's for the same calls (the
+demo: its tokens/s ratio), reported per timed call as the median and the minimum over the repeats.
 Every DART output must equal plain's. Configs (`--configs`): threads:load pairs, load `idle` or `busy` (one spinning
 process beside the session for its whole duration, model loading included).
 """
@@ -111,12 +113,17 @@ def compare(scenario: str, threads: int, busy: bool, repeat: int, new_tokens: in
             "dart_s": dart["seconds"], "tree_sizes": dart["tree_sizes"]}
 
 
+def _ratios(values: list[float]) -> str:
+    return ", ".join(f"{v:.2f}x" for v in values)
+
+
 def main(argv=None) -> int:
     parser = script_parser(__doc__)
     parser.add_argument("--session", help=argparse.SUPPRESS)  # a child's spec
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
     parser.add_argument("--configs", default=CONFIGS, help=f"threads:load pairs (default {CONFIGS})")
-    parser.add_argument("--repeats", type=int, default=3, help="sessions of each kind per scenario and config")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="sessions of each kind per scenario and config (medians and minima over them)")
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens of the first call (the demo's: 128)")
     args = parser.parse_args(argv)
     if args.session:
@@ -136,23 +143,21 @@ def main(argv=None) -> int:
         for threads, busy in configs:
             if scenario == "demo" and not busy:
                 continue  # the idle demo is BENCHMARKS.md's own row
-            repeats = args.repeats if scenario in ("first", "demo") else 1
             runs = [compare(scenario, threads, busy, r, 128 if scenario == "demo" else args.new_tokens)
-                    for r in range(repeats)]
-            ratios = [x for run in runs for x in run["ratios"]]
+                    for r in range(args.repeats)]
+            by_call = [list(call) for call in zip(*(run["ratios"] for run in runs))]  # each timed call's repeats
             row = {"scenario": scenario, "threads": threads, "load": "busy" if busy else "idle",
-                   "median": statistics.median(ratios), "min": min(ratios), "ratios": ratios,
-                   "identical": all(run["identical"] for run in runs), "runs": runs}
+                   "median": [statistics.median(c) for c in by_call], "min": [min(c) for c in by_call],
+                   "ratios": by_call, "identical": all(run["identical"] for run in runs), "runs": runs}
             rows.append(row)
-            print(f"{scenario:10s} {threads} thread(s) {row['load']:4s}: median {row['median']:.2f}x, min "
-                  f"{row['min']:.2f}x ({', '.join(f'{r:.2f}' for r in ratios)}), identical {row['identical']}",
-                  flush=True)
+            print(f"{scenario:10s} {threads} thread(s) {row['load']:4s}: median {_ratios(row['median'])}, min "
+                  f"{_ratios(row['min'])}, identical {row['identical']}", flush=True)
     results = {"environment": environment(torch.device("cpu"), Path(__file__).resolve().parents[1]),
                "new_tokens": args.new_tokens, "repeats": args.repeats, "rows": rows}
-    print("\n| scenario | threads | load | median | min | ratios | identical |\n|---|---|---|---|---|---|---|")
+    print("\n| scenario | threads | load | median (each timed call) | min | identical |\n|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['scenario']} | {r['threads']} | {r['load']} | {r['median']:.2f}x | {r['min']:.2f}x | "
-              f"{', '.join(f'{x:.2f}' for x in r['ratios'])} | {r['identical']} |")
+        print(f"| {r['scenario']} | {r['threads']} | {r['load']} | {_ratios(r['median'])} | {_ratios(r['min'])} | "
+              f"{r['identical']} |")
     if args.json:
         write_results(args.json, results)
     return 0 if all(r["identical"] for r in rows) else 1

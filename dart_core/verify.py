@@ -364,7 +364,8 @@ def _one_row_at_a_time(processor) -> Callable:
             proc = processor[b] if isinstance(processor, (list, tuple)) else processor
             one = proc(ids[j : j + 1], scores[j : j + 1])
             if tuple(one.shape) != (1, scores.shape[-1]):
-                raise ValueError(f"logits_processor returned shape {tuple(one.shape)}, expected (1, {scores.shape[-1]})")
+                raise ValueError(f"logits_processor returned shape {tuple(one.shape)}, expected "
+                                 f"(1, {scores.shape[-1]})")
             out.append(one)
         return torch.cat(out)
 
@@ -425,8 +426,8 @@ def _choose_at(frontier: list[list[tuple[int, list[int]]]], first: Optional[list
             ids = torch.stack([torch.cat((contexts[b].to(logits.device, torch.long),
                                           torch.tensor(path, dtype=torch.long, device=logits.device)))
                                for b, (_, path) in zip(rows, picked)])  # [k, length]
-            # a copy: processors may work in place and a float32 `.float()` would alias the caller's logits
-            scores = torch.stack([logits[b, key] for b, (key, _) in zip(rows, picked)]).to(torch.float32, copy=True)
+            # stacked, a copy: processors may work in place, and never on the caller's logits
+            scores = torch.stack([logits[b, key] for b, (key, _) in zip(rows, picked)]).float()
             scores = process.fn(rows, ids, scores)
             if tuple(scores.shape) != (len(rows), vocab):
                 raise ValueError(f"logits_processor returned shape {tuple(scores.shape)}, expected "

@@ -14,13 +14,13 @@ roots alone of rows of equal length makes plain's very call. A processor that tr
 that checks the batch size sees generate()'s.
 
 That is exact for processors whose output for a row depends on that row's prefix and scores alone, and only for
-those: plain calls a processor once per step, DART once per depth of its walk, so one that counts its calls or
-keeps anything else between calls gives other output. The rule (`processor_refusal`): a processor whose class transformers
+those: plain calls a processor once per step, DART once per depth of its walk, so one that counts its calls or keeps
+anything else between calls gives other output. The rule (`processor_refusal`): a processor whose class transformers
 defines is known (all of them are stateless but `STATEFUL`, which are refused by name); any other processor (a
 custom class, a function, a subclass of transformers' own) cannot be told apart by its class, so DART refuses it by
-name unless the caller declares the call's processors stateless (`generate(..., dart_stateless_processors=True)`).
-A refusal is `NotApplicable` before any work; an attached head runs the call as plain `generate()` with one
-warning. `prefix_allowed_tokens_fn` is a function of (batch id, prefix) by transformers' own contract.
+name unless the caller declares the call's processors stateless (`generate(..., dart_stateless_processors=True)`). A
+refusal is `NotApplicable` before any work; an attached head runs the call as plain `generate()` with one warning.
+`prefix_allowed_tokens_fn` is a function of (batch id, prefix) by transformers' own contract.
 """
 
 from __future__ import annotations
