@@ -3,7 +3,6 @@ all trees in one target forward."""
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import dataclasses
 import functools
@@ -385,7 +384,7 @@ def _decode(call: Call):
                                           run.prepared.positions, run.prepared.past, carried, run.context_len,
                                           run.stats)
         load_kernel_choices()  # what earlier processes measured here (once per process)
-        with few_row_linears(head):
+        with tree_forwards(call.model), few_row_linears(head):
             while (producing := run.emit(batch, step, head_cache)) is not None:
                 batch, step = producing
                 clock = PhaseClock(batch.contexts.device, run.stats.sync_timing)
@@ -861,10 +860,8 @@ def verify_step(verifier: _Verifier, trees: DraftTreeBatch, ancestors: torch.Ten
         mask = tree_attention_mask(ancestors, batch.columns, dtype, trees.depths, verifier.layout,
                                    sliding_dropped(verifier.cache, past))
     clock.mark("mask")
-    # a tree takes the kernels that suit tree verification; the roots alone are a plain step, with plain's kernels
-    with tree_forwards(verifier.model) if trees.num_nodes > 1 else contextlib.nullcontext():
-        out = tree_forward(verifier.model, trees.tokens, batch.root_positions[:, None] + trees.depths, mask,
-                           verifier.cache, verifier.plan.layer_ids)
+    out = tree_forward(verifier.model, trees.tokens, batch.root_positions[:, None] + trees.depths, mask, verifier.cache,
+                       verifier.plan.layer_ids)
     clock.mark("target")
     logits = out.logits.float()  # [B, N, V]
     paths = verifier.accept(trees, logits, ancestors, sequences, batch.rows)
