@@ -387,11 +387,12 @@ def _processed_walk(tokens: list[list[int]], parents: list[list[int]], contexts:
         for j in range(1, len(row)):
             children[b][row[j]].append(j)
     first = [_first_nodes(t, p) for t, p in zip(tokens, parents)] if do_sample else None
-    draws: list[dict[int, int]] = [{} for _ in range(rows)]  # sampling: first node of a path -> its draw
+    # per row, node -> the token chosen there (sampling: keyed by the first node with its path, which all share)
+    chosen_at: list[dict[int, int]] = [{} for _ in range(rows)]
     frontier = [[(0, [])] for _ in range(rows)]  # per row, the (node, path after the root) visited at this depth
     best: list[tuple[int, int]] = [(0, -1)] * rows  # per row, (deepest node reached, the token chosen there)
     while any(frontier):
-        chosen = _choose_at(frontier, first, draws, contexts, logits, process, do_sample, generator)
+        chosen = _choose_at(frontier, first, chosen_at, contexts, logits, process, do_sample, generator)
         for b in range(rows):
             if frontier[b]:
                 best[b] = min(zip((node for node, _ in frontier[b]), chosen[b]))  # the same depth: smallest index
@@ -407,15 +408,15 @@ def _processed_walk(tokens: list[list[int]], parents: list[list[int]], contexts:
 
 
 def _choose_at(frontier: list[list[tuple[int, list[int]]]], first: Optional[list[list[int]]],
-               draws: list[dict[int, int]], contexts: list[torch.Tensor], logits: torch.Tensor,
+               chosen_at: list[dict[int, int]], contexts: list[torch.Tensor], logits: torch.Tensor,
                process: "BatchedProcessor", do_sample: bool, generator: Optional[torch.Generator]) -> list[list[int]]:
-    """The token chosen at each frontier node (per row, in frontier order): rows' nodes that need processed scores
-    go to `process` in rounds, each round one node per row and one prefix length."""
+    """The token chosen at each frontier node (per row, in frontier order), kept in `chosen_at` (per row, by node;
+    sampling: by the first node with its path, so a path has one draw): rows' nodes not chosen yet go to `process` in
+    rounds, each round one node per row and one prefix length."""
     vocab = logits.shape[-1]
     need = [[(first[b][node] if do_sample else node, path) for node, path in nodes] for b, nodes in enumerate(frontier)]
-    todo = [[(key, path) for i, (key, path) in enumerate(nodes) if not (do_sample and (key in draws[b]
-             or any(k == key for k, _ in nodes[:i])))] for b, nodes in enumerate(need)]  # sampling: once per path
-    greedy: list[dict[int, int]] = [{} for _ in frontier]
+    todo = [[(key, path) for i, (key, path) in enumerate(nodes)
+             if key not in chosen_at[b] and all(k != key for k, _ in nodes[:i])] for b, nodes in enumerate(need)]
     while any(todo):
         by_length: dict[int, list[int]] = {}
         for b, nodes in enumerate(todo):
@@ -435,8 +436,8 @@ def _choose_at(frontier: list[list[tuple[int, list[int]]]], first: Optional[list
             tokens = _sample(scores, rows, [key for key, _ in picked], generator) if do_sample else \
                 scores.argmax(dim=-1).tolist()
             for b, (key, _), token in zip(rows, picked, tokens):
-                (draws[b] if do_sample else greedy[b])[key] = token
-    return [[(draws[b] if do_sample else greedy[b])[key] for key, _ in nodes] for b, nodes in enumerate(need)]
+                chosen_at[b][key] = token
+    return [[chosen_at[b][key] for key, _ in nodes] for b, nodes in enumerate(need)]
 
 
 def _sample(scores: torch.Tensor, rows: list[int], nodes: list[int], generator: Optional[torch.Generator]) -> list[int]:

@@ -27,8 +27,8 @@ The model is never switched back and forth: the first use installs on each `nn.L
 own (modules wrapped by hooks that replace `forward`, e.g. accelerate's offloading, are left alone) a `FewRowForward`,
 which computes `F.linear` (exactly `nn.Linear.forward`) unless the current context is inside `few_row_linears` of a
 module that holds the layer. So another thread, another module, or code after an interrupted call, computes with the
-layers' own kernel; installing is idempotent and
-locked, the same pattern transformers uses for its output-capturing hooks.
+layers' own kernel; installing is idempotent and locked, the same pattern transformers uses for its output-capturing
+hooks.
 """
 
 from __future__ import annotations
