@@ -511,8 +511,7 @@ class Run:
                                                                            budget=decision.nodes)
         trees, ancestors = draft(self.call.options.head, self.search(tree_config), step, head_cache, batch,
                                  tree_config, self.graphs, clock, proposals)
-        consumed = dataclasses.replace(step, aux_rows=step.aux_rows[:, :0], head_ids=step.head_ids[:, :0],
-                                       head_lengths=torch.zeros_like(step.head_lengths))
+        consumed = dataclasses.replace(step, head_rows=step.head_rows.consumed())
         return trees, ancestors, consumed, decision if trees.num_nodes > 1 else PLAIN
 
     def search(self, tree_config: TreeConfig):
@@ -590,13 +589,57 @@ class Step:
     new_ids: torch.Tensor  # [B, k] those tokens, right-padded (k = the longest)
     nodes: torch.Tensor  # [B, k] the node of each token's logits in `logits` (the path, root first)
     logits: torch.Tensor  # [B, N, V] the target logits of the verified tree's nodes (the prompt's last: N = 1)
-    aux_rows: torch.Tensor  # [B, R, 3*Ht] the target's tapped hidden states of the head's new rows
-    head_ids: torch.Tensor  # [B, R] the token each of those rows embeds (the next one, docs/DESIGN.md §2.1)
-    head_lengths: torch.Tensor  # [B] how many of the R rows are real
+    head_rows: "PendingRows"  # the rows the head has not consumed yet
 
     def select(self, keep: torch.Tensor) -> "Step":
         return Step([self.tokens[i] for i in keep.tolist()], self.new_ids[keep], self.nodes[keep], self.logits[keep],
-                    self.aux_rows[keep], self.head_ids[keep], self.head_lengths[keep])
+                    self.head_rows.select(keep))
+
+
+class PendingRows:
+    """The head's rows not consumed yet, per sequence: the target's tapped hidden states and the token each row embeds
+    (the next one, docs/DESIGN.md §2.1), left-aligned, the first `lengths[b]` of `width` real. Held in buffers with
+    room to grow, so that a run of steps without drafting (plain steps) appends each step's rows in place rather
+    than copying every pending row again."""
+
+    def __init__(self, aux: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor, width: Optional[int] = None):
+        """aux [B, C, 3*Ht], ids [B, C], lengths [B]; the first `width` (default C) columns are in use."""
+        self._aux, self._ids, self.lengths = aux, ids, lengths
+        self.width = aux.shape[1] if width is None else width
+
+    @property
+    def aux(self) -> torch.Tensor:
+        """[B, width, 3*Ht] the hidden states (rows past a sequence's length are padding)."""
+        return self._aux[:, : self.width]
+
+    @property
+    def ids(self) -> torch.Tensor:
+        """[B, width] the token each row embeds."""
+        return self._ids[:, : self.width]
+
+    def append(self, aux: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor) -> "PendingRows":
+        """These rows with the first counts[b] rows of aux [B, k, 3*Ht] / ids [B, k] after sequence b's. The buffers
+        are written in place (this object's rows stay as they were) and grow by doubling."""
+        k = aux.shape[1]
+        width = self.width + k
+        capacity = self._aux.shape[1]
+        if width > capacity:
+            grow = max(width, 2 * capacity) - capacity
+            self._aux = torch.cat((self._aux, self._aux.new_zeros(self._aux.shape[0], grow, self._aux.shape[2])), 1)
+            self._ids = torch.cat((self._ids, self._ids.new_zeros(self._ids.shape[0], grow)), 1)
+        # a sequence's rows go after its own; its padding rows land past its new length, where later rows overwrite
+        index = self.lengths[:, None] + torch.arange(k, device=ids.device)  # [B, k], < width
+        self._aux.scatter_(1, index[..., None].expand(-1, -1, aux.shape[2]), aux.to(self._aux.dtype))
+        self._ids.scatter_(1, index, ids)
+        return PendingRows(self._aux, self._ids, self.lengths + counts, width)
+
+    def consumed(self) -> "PendingRows":
+        """No rows pending (the head has read them all); the buffers are kept for the rows to come."""
+        return PendingRows(self._aux, self._ids, torch.zeros_like(self.lengths), 0)
+
+    def select(self, keep: torch.Tensor) -> "PendingRows":
+        """The rows of sequences `keep` [B'] only."""
+        return PendingRows(self.aux[keep], self.ids[keep], self.lengths[keep])
 
 
 @dataclasses.dataclass
@@ -706,9 +749,10 @@ def _carry(cache, head: DartHead, head_cache, step: "Step", past: int, attention
         return
     consumed = int(head_cache.lengths[0])
     pending = past - consumed
-    if not 0 <= pending <= step.aux_rows.shape[1]:
+    if not 0 <= pending <= step.head_rows.width:
         return
-    setattr(cache, CARRIED_ATTRIBUTE, Carried(weakref.ref(head), head_cache, step.aux_rows[:, :pending], past))
+    setattr(cache, CARRIED_ATTRIBUTE, Carried(weakref.ref(head), head_cache, step.head_rows.aux[:, :pending].clone(),
+                                              past))
 
 
 def prompt_rows(model, plan: TargetPlan, prefix: torch.Tensor) -> torch.Tensor:
@@ -771,7 +815,7 @@ def prefill(verifier: _Verifier, head: DartHead, input_ids: torch.Tensor, attent
     batch = Batch(list(range(b)), attention_mask.bool(), positions[:, -1] + 1, contexts[:, -context_len:],
                   not padded)
     step = Step([[x] for x in first.tolist()], first[:, None], torch.zeros(b, 1, dtype=torch.long, device=device),
-                logits, aux_rows, head_ids, head_lengths)
+                logits, PendingRows(aux_rows, head_ids, head_lengths))
     clock.mark("prefill")
     stats.prefill_time = clock.seconds
     return batch, step, head_cache
@@ -799,25 +843,13 @@ def draft(head: DartHead, search, step: Step, head_cache, batch: Batch, tree_con
     """One drafting pass over every sequence's pending head rows (a DART head: one forward with its mask rows) and
     the tree search (`TreeSearch`; the drafter interface, docs/DESIGN.md §1.2) with the rows' context paths
     `proposals` where given -> (trees, ancestors [B, N, N]); phases "head" and "tree" on `clock`."""
-    candidates = head.draft(step.aux_rows, step.head_ids, step.head_lengths, head_cache, tree_config,
+    rows = step.head_rows
+    candidates = head.draft(rows.aux, rows.ids, rows.lengths, head_cache, tree_config,
                             cuda_graph=cuda_graph)
     clock.mark("head")
     trees, ancestors = search(candidates, batch.contexts, () if proposals is None else proposals.tensors())
     clock.mark("tree")
     return trees, ancestors
-
-
-def merge_rows(first: torch.Tensor, first_lengths: torch.Tensor, second: torch.Tensor,
-               second_lengths: torch.Tensor) -> torch.Tensor:
-    """Per row b, the first first_lengths[b] rows of `first` [B, R1, ...] then the first second_lengths[b] of
-    `second` [B, R2, ...] -> [B, R1+R2, ...] (padding after them)."""
-    if not first.shape[1]:
-        return second
-    width = first.shape[1] + second.shape[1]
-    j = torch.arange(width, device=first.device)[None, :]  # [1, R1+R2]
-    index = torch.where(j < first_lengths[:, None], j, first.shape[1] + j - first_lengths[:, None]).clamp(max=width - 1)
-    both = torch.cat((first, second), dim=1)
-    return both.gather(1, index.view(*index.shape, *([1] * (both.dim() - 2))).expand(-1, -1, *both.shape[2:]))
 
 
 @dataclasses.dataclass
@@ -890,9 +922,7 @@ def verify_step(verifier: _Verifier, trees: DraftTreeBatch, ancestors: torch.Ten
         1, counts[:, None] + torch.arange(batch.contexts.shape[1], device=device))
     aux = tapped_hidden_states(out, verifier.plan.layer_ids, trees.tokens)
     aux = aux.gather(1, paths.nodes[:, :k, None].expand(-1, -1, aux.shape[-1]))  # [B, k, 3*Ht]
-    step = Step(new_tokens, new_ids, paths.nodes[:, :k], logits,
-                merge_rows(pending.aux_rows, pending.head_lengths, aux, counts),
-                merge_rows(pending.head_ids, pending.head_lengths, new_ids, counts), pending.head_lengths + counts)
+    step = Step(new_tokens, new_ids, paths.nodes[:, :k], logits, pending.head_rows.append(aux, new_ids, counts))
     clock.mark("next")
     return StepOutcome(step, batch.rows, accepted, ranks, [row[len(row) - len(SOURCE_COUNTS):] for row in host],
                        trees.num_nodes, past, clock.seconds, clock.phases)

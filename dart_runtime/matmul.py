@@ -12,9 +12,11 @@ decoding's kernels (a one-token step already uses another kernel, a matrix-vecto
 The choice is learned from the forwards themselves, never from a timing run of its own: while a (weight shape, row
 bucket, threads, dtype) is undecided, its products take the two kernels in turn, each product timed as the forward
 runs it (so the weights stream through the caches as they do in a real forward), and after `TRIAL_SAMPLES` of each
-the one with the lower median is kept (`W @ x.T` only at `MARGIN` or less of `F.linear`'s time). A SmolLM2 forward
-decides its layers' shapes at once (30 layers give each shape 30-60 products); a shape met once a forward (the
-output projection) decides over its first `2 x TRIAL_SAMPLES` forwards. What is decided is kept (`kernel_choices`;
+the one with the lower median is kept (`W @ x.T` only at `MARGIN` or less of `F.linear`'s time), or after
+`EARLY_SAMPLES` of each one whose every product beat all of the other's by that margin (`trial_verdict`). A SmolLM2
+forward decides its layers' shapes at once (30 layers give each shape 30-60 products); a shape met once a forward
+(the output projection) decides over its first `2 x EARLY_SAMPLES` forwards where one kernel is clearly faster, its
+first `2 x TRIAL_SAMPLES` otherwise. What is decided is kept (`kernel_choices`;
 `dart_hf.calibration` keeps it across processes on one machine).
 
 `few_row_linears(*modules)` makes that product apply, within a `with` block and only in the calling thread's context,
@@ -57,6 +59,9 @@ ROW_BUCKETS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # a row count is decided 
 MARGIN = 0.9
 REPEATS = 5  # timed passes of each dtype's products (after one warm-up pass), interleaved (`fastest_dtype`)
 TRIAL_SAMPLES = 7  # products of each kernel timed (an odd count: a median is one of them) before a choice is made
+# ... or only this many of each when every product of one kernel took at most `MARGIN` of the other's fastest: a
+# kernel three times faster (a vocabulary projection over 2 rows) stops costing the slow one's time after 3 products
+EARLY_SAMPLES = 3
 
 
 def transposed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -77,11 +82,18 @@ _TRIALS: dict[str, tuple[list[float], list[float]]] = {}  # undecided key -> sec
 _CHOICES_LOCK = threading.Lock()
 
 
+_KEYS: dict[tuple, str] = {}  # (weight shape, rows, threads, dtype) -> its `choice_key`: a lookup per product
+
+
 def choice_key(weight: torch.Tensor, rows: int) -> str:
     """The key of the kernel choice for `rows` (2..MAX_ROWS) rows through `weight` [N, K] here (`_CHOICES`)."""
-    bucket = next(b for b in ROW_BUCKETS if b >= rows)
-    n, k = weight.shape
-    return f"{n}:{k}|{bucket}|{torch.get_num_threads()}|{str(weight.dtype).replace('torch.', '')}"
+    at = (weight.shape, rows, torch.get_num_threads(), weight.dtype)
+    key = _KEYS.get(at)
+    if key is None:
+        bucket = next(b for b in ROW_BUCKETS if b >= rows)
+        n, k = weight.shape
+        key = _KEYS[at] = f"{n}:{k}|{bucket}|{at[2]}|{str(weight.dtype).replace('torch.', '')}"
+    return key
 
 
 def kernel_choice(weight: torch.Tensor, rows: int) -> Optional[bool]:
@@ -107,8 +119,8 @@ def adopt_kernel_choices(choices: dict[str, bool]) -> None:
 
 
 def trial_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
-    """The product through an undecided kernel choice: the kernel with fewer timed products so far, timed; once each
-    has `TRIAL_SAMPLES`, the choice is made (the lower median; `W @ x.T` only within `MARGIN`)."""
+    """The product through an undecided kernel choice: the kernel with fewer timed products so far, timed; the choice
+    is made once `trial_verdict` gives one."""
     key = choice_key(weight, rows)
     with _CHOICES_LOCK:
         times = _TRIALS.setdefault(key, ([], []))
@@ -119,10 +131,26 @@ def trial_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     with _CHOICES_LOCK:
         if key in _TRIALS and key not in _CHOICES:
             times[kernel].append(seconds)
-            if min(map(len, times)) >= TRIAL_SAMPLES:
-                _CHOICES[key] = statistics.median(times[1]) <= MARGIN * statistics.median(times[0])
+            decided = trial_verdict(*times)
+            if decided is not None:
+                _CHOICES[key] = decided
                 del _TRIALS[key]
     return out
+
+
+def trial_verdict(linear: list[float], transposed: list[float]) -> Optional[bool]:
+    """Whether `W @ x.T` is the faster product by the timed products of each kernel so far; None: not decided yet.
+    After `TRIAL_SAMPLES` of each, the lower median (`W @ x.T` only within `MARGIN`); after `EARLY_SAMPLES`, a
+    kernel all of whose products took at most `MARGIN` of the other's fastest."""
+    done = min(len(linear), len(transposed))
+    if done >= TRIAL_SAMPLES:
+        return statistics.median(transposed) <= MARGIN * statistics.median(linear)
+    if done >= EARLY_SAMPLES:
+        if max(transposed) <= MARGIN * min(linear):
+            return True
+        if max(linear) <= MARGIN * min(transposed):
+            return False
+    return None
 
 
 def settle_kernel_choices(weights: list[torch.Tensor], rows: int) -> None:

@@ -72,12 +72,15 @@ def test_the_choice_is_learned_from_the_products_a_forward_runs(two_threads, fak
     x = torch.randn(5, 4)
     for _ in range(2 * matmul.TRIAL_SAMPLES):
         torch.testing.assert_close(few_row_linear(x, w, None), F.linear(x, w))
-    assert ran == [0, 1] * matmul.TRIAL_SAMPLES  # the two kernels in turn, each product timed
+    # the two kernels in turn, each product timed; twice as fast every time decides after EARLY_SAMPLES of each
+    assert ran == [0, 1] * matmul.EARLY_SAMPLES
     assert matmul.kernel_choice(w, 5) is True and matmul.kernel_choice(w, 6) is True  # one row bucket
     assert matmul.kernel_choice(w, 7) is None and matmul.kernel_choice(other, 5) is None  # another bucket, shape
+    ran.clear()
     for _ in range(2 * matmul.TRIAL_SAMPLES):
         few_row_linear(x, other, None)
-    assert matmul.kernel_choice(other, 5) is False  # 5% faster is inside the margin: F.linear stays
+    assert ran == [0, 1] * matmul.TRIAL_SAMPLES  # 5% apart: every product of the trial, then F.linear stays
+    assert matmul.kernel_choice(other, 5) is False
     w_half = w.to(torch.bfloat16)
     assert matmul.kernel_choice(w_half, 5) is None  # another dtype is learned anew
     assert matmul.kernel_choices() == {"8:4|6|2|float32": True, "16:4|6|2|float32": False}
@@ -95,6 +98,7 @@ def test_one_slow_product_does_not_decide_the_choice(two_threads, fake_kernels):
     for _ in range(2 * matmul.TRIAL_SAMPLES - 2):
         few_row_linear(x, w, None)
     assert matmul.kernel_choice(w, 3) is True  # the median of each kernel's products decides
+    assert ran.count(1) == matmul.TRIAL_SAMPLES  # the slow product kept the trial from ending early
 
 
 def test_adopted_choices_are_not_tried_again_and_bad_ones_are_refused(two_threads, fake_kernels):

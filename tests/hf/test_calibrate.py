@@ -384,3 +384,20 @@ def test_fastest_dtype_measures_real_products():
     weights = [torch.randn(64, 32), torch.randn(32, 64)]
     assert fastest_dtype(weights, 4, (torch.float32, torch.bfloat16)) in (torch.float32, torch.bfloat16)
     assert fastest_dtype(weights, 4, (torch.float32,)) == torch.float32
+
+
+def test_a_heads_identity_follows_its_weights_dtype_and_shape_from_a_sample_of_each_tensor(monkeypatch):
+    from dart_hf.calibration import _tensor_digest
+
+    monkeypatch.setattr(calibrate_module, "DIGEST_ELEMENTS", 16)
+    gen = torch.Generator().manual_seed(0)
+    weights = {"a": torch.randn(40, 8, generator=gen), "b": torch.randn(5, generator=gen)}
+    digest = _tensor_digest(weights)
+    assert _tensor_digest({k: v.clone() for k, v in weights.items()}) == digest
+    changed = [{**weights, "a": weights["a"] * 1.01}, {**weights, "b": weights["b"] + 1},
+               {**weights, "a": weights["a"].to(torch.float64)}, {**weights, "a": weights["a"].reshape(8, 40)},
+               {"c": weights["a"], "b": weights["b"]}]
+    assert len({_tensor_digest(w) for w in changed} | {digest}) == len(changed) + 1
+    sampled = weights["a"].clone().reshape(-1)
+    sampled[0] += 1  # a sampled element (the first): seen
+    assert _tensor_digest({**weights, "a": sampled.reshape(40, 8)}) != digest

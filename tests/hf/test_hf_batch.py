@@ -183,3 +183,34 @@ def test_a_processor_with_state_between_calls_is_refused_by_name_and_an_attached
     attached = dart_hf.enable(tiny_target(), head)
     with pytest.warns(dart_hf.DartFallbackWarning, match="UnbatchedClassifierFreeGuidanceLogitsProcessor"):
         assert torch.equal(attached.generate(ids, **kwargs), plain)
+
+
+def test_pending_head_rows_grow_in_place_and_keep_each_sequences_rows_in_order():
+    from dart_hf.loop import PendingRows
+
+    gen = torch.Generator().manual_seed(0)
+    lengths = [3, 0, 5]
+    rows = [torch.randn(n, 4, generator=gen) for n in lengths]  # per sequence, its real rows (the reference)
+    ids = [torch.randint(0, 50, (n,), generator=gen) for n in lengths]
+    aux = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
+    pending = PendingRows(aux, torch.nn.utils.rnn.pad_sequence(ids, batch_first=True), torch.tensor(lengths))
+    for step in range(12):
+        if step == 7:  # the head reads them all; later rows start at 0 in the same buffers
+            pending, rows, ids = pending.consumed(), [r[:0] for r in rows], [i[:0] for i in ids]
+        counts = torch.randint(1, 4, (3,), generator=gen)
+        new = torch.randn(3, int(counts.max()), 4, generator=gen)
+        new_ids = torch.randint(0, 50, (3, int(counts.max())), generator=gen)
+        before = pending.aux.clone()
+        pending = pending.append(new, new_ids, counts)
+        rows = [torch.cat((r, new[b, : counts[b]])) for b, r in enumerate(rows)]
+        ids = [torch.cat((i, new_ids[b, : counts[b]])) for b, i in enumerate(ids)]
+        assert pending.lengths.tolist() == [len(r) for r in rows] and pending.width >= max(map(len, rows))
+        for b in range(3):
+            assert torch.equal(pending.aux[b, : len(rows[b])], rows[b]) and torch.equal(pending.ids[b, : len(ids[b])],
+                                                                                          ids[b])
+        if step != 7:  # an earlier object's rows are untouched
+            old_lengths = [len(r) - int(c) for r, c in zip(rows, counts)]
+            assert all(torch.equal(pending.aux[b, :n], before[b, :n]) for b, n in enumerate(old_lengths))
+    kept = pending.select(torch.tensor([2, 0]))
+    assert kept.lengths.tolist() == [len(rows[2]), len(rows[0])]
+    assert torch.equal(kept.aux[0, : len(rows[2])], rows[2]) and torch.equal(kept.ids[1, : len(ids[0])], ids[0])
