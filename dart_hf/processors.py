@@ -97,9 +97,10 @@ def batch_processor(processors, sequences: list[torch.Tensor], rows: list[int], 
     pad = 0 if pad is None else pad
 
     def call(tree_rows: list[int], ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        if len(sequences) == 1:
+        caller_rows = [rows[j] for j in tree_rows]
+        if caller_rows == list(range(len(sequences))):  # the whole batch in the caller's order: plain's own call
             return processors(ids, scores)
-        slots = torch.tensor([rows[j] for j in tree_rows], device=ids.device)
+        slots = torch.tensor(caller_rows, device=ids.device)
         batch_ids = torch.stack([_cut(seq[0].to(ids.device), ids.shape[1], pad) for seq in sequences])  # [B, T]
         batch_ids[slots] = ids
         batch_scores = scores.new_zeros(len(sequences), scores.shape[-1])
