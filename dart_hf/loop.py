@@ -622,16 +622,18 @@ class PendingRows:
         are written in place (this object's rows stay as they were) and grow by doubling."""
         k = aux.shape[1]
         width = self.width + k
-        capacity = self._aux.shape[1]
+        aux_buffer, ids_buffer = self._aux, self._ids
+        capacity = aux_buffer.shape[1]
         if width > capacity:
             grow = max(width, 2 * capacity) - capacity
-            self._aux = torch.cat((self._aux, self._aux.new_zeros(self._aux.shape[0], grow, self._aux.shape[2])), 1)
-            self._ids = torch.cat((self._ids, self._ids.new_zeros(self._ids.shape[0], grow)), 1)
+            b, _, hidden = aux_buffer.shape
+            aux_buffer = torch.cat((aux_buffer, aux_buffer.new_zeros(b, grow, hidden)), 1)
+            ids_buffer = torch.cat((ids_buffer, ids_buffer.new_zeros(ids_buffer.shape[0], grow)), 1)
         # a sequence's rows go after its own; its padding rows land past its new length, where later rows overwrite
         index = self.lengths[:, None] + torch.arange(k, device=ids.device)  # [B, k], < width
-        self._aux.scatter_(1, index[..., None].expand(-1, -1, aux.shape[2]), aux.to(self._aux.dtype))
-        self._ids.scatter_(1, index, ids)
-        return PendingRows(self._aux, self._ids, self.lengths + counts, width)
+        aux_buffer.scatter_(1, index[..., None].expand(-1, -1, aux.shape[2]), aux.to(aux_buffer.dtype))
+        ids_buffer.scatter_(1, index, ids)
+        return PendingRows(aux_buffer, ids_buffer, self.lengths + counts, width)
 
     def consumed(self) -> "PendingRows":
         """No rows pending (the head has read them all); the buffers are kept for the rows to come."""
