@@ -19,7 +19,7 @@ accepted tokens and the bonus are then the chain of chosen tokens itself, so sam
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, Hashable, Optional, Sequence, Union
 
 import torch
 
@@ -33,10 +33,16 @@ ContextIds = Union[torch.Tensor, Sequence[torch.Tensor]]
 @dataclasses.dataclass(frozen=True)
 class BatchedProcessor:
     """A logits processor that takes several tree rows' nodes at once: `fn(rows, input_ids [k, T] int64, scores
-    [k, V] float32) -> [k, V]`, line j for a node of tree row rows[j] (distinct rows, prefixes of one length T). Line
-    j of the result must be what processing that node alone gives."""
+    [k, V] float32) -> [k, V]`, line j for a node of tree row rows[j] (distinct rows, prefixes of one length T, or left-padded to T as `length_key` allows). Line
+    j of the result must be what processing that node alone gives.
+
+    `length_key` (prefix length -> a hashable key), when given, lets rows whose prefix lengths share a key go to one
+    call, each prefix left-padded with its own first token to the longest of them (T): only for processors whose
+    result for a row is the same under that padding (e.g. ones that read the length only through a threshold the
+    key holds). None: one call per prefix length."""
 
     fn: Callable[[list[int], torch.Tensor, torch.Tensor], torch.Tensor]
+    length_key: Optional[Callable[[int], Hashable]] = None
 
 
 __all__ = ["VerifyResult", "accept_chosen", "verify_greedy", "verify_sampled", "verify_tree", "LogitsProcessor",
@@ -316,8 +322,8 @@ def verify_tree(
     logits_processor  `proc(input_ids [1, T'], scores [1, V]) -> scores [1, V]`, applied lazily to float32 scores
                       at visited nodes only, with the node's exact prefix as `input_ids`; or a sequence of B such
                       processors, row b's for row b; or a `BatchedProcessor`, called once per depth of the walk and
-                      prefix length with every row whose visited node has a prefix of that length (a step that
-                      verifies the roots alone of equal-length rows: one call).
+                      prefix length (or `length_key`) with every row whose visited node has a prefix of that length
+                      (a step that verifies the roots alone of equal-length rows: one call).
     do_sample         how the target's token is chosen at a visited node: False, the argmax of the processed
                       scores; True, one draw (`torch.multinomial` with `generator`) from their softmax, once per
                       distinct token path. The walk is the module's one rule, so without a processor this is exactly
@@ -377,7 +383,7 @@ def _processed_walk(tokens: list[list[int]], parents: list[list[int]], contexts:
                     generator: Optional[torch.Generator]) -> tuple[list[list[int]], list[int]]:
     """The chosen-token walk over every row's valid nodes (`accept_chosen`'s rule, lazily), all rows a depth at a
     time: the nodes of one depth whose parent's chosen token they carry are visited together, their processed scores
-    computed in one `process` call per prefix length (each row once a call) -> per row (accepted path root first,
+    computed in one `process` call per prefix length or `length_key` (each row once a call) -> per row (accepted path root first,
     bonus). Greedy chooses the argmax at every visited node; sampling one draw per distinct token path, made at the
     first node with that path (`_first_nodes`). The accepted node is the deepest reached, ties -> smallest index; with
     distinct siblings this visits exactly each row's accepted path."""
@@ -412,21 +418,22 @@ def _choose_at(frontier: list[list[tuple[int, list[int]]]], first: Optional[list
                process: "BatchedProcessor", do_sample: bool, generator: Optional[torch.Generator]) -> list[list[int]]:
     """The token chosen at each frontier node (per row, in frontier order), kept in `chosen_at` (per row, by node;
     sampling: by the first node with its path, so a path has one draw): rows' nodes not chosen yet go to `process` in
-    rounds, each round one node per row and one prefix length."""
+    rounds, each round one node per row and one prefix length (or `length_key`)."""
     vocab = logits.shape[-1]
     need = [[(first[b][node] if do_sample else node, path) for node, path in nodes] for b, nodes in enumerate(frontier)]
     todo = [[(key, path) for i, (key, path) in enumerate(nodes)
              if key not in chosen_at[b] and all(k != key for k, _ in nodes[:i])] for b, nodes in enumerate(need)]
+    group_of = process.length_key or (lambda length: length)
     while any(todo):
-        by_length: dict[int, list[int]] = {}
+        groups: dict[Hashable, list[int]] = {}
         for b, nodes in enumerate(todo):
             if nodes:
-                by_length.setdefault(contexts[b].shape[0] + len(nodes[0][1]), []).append(b)
-        for length, rows in by_length.items():
+                groups.setdefault(group_of(contexts[b].shape[0] + len(nodes[0][1])), []).append(b)
+        for rows in groups.values():
             picked = [todo[b].pop(0) for b in rows]
-            ids = torch.stack([torch.cat((contexts[b].to(logits.device, torch.long),
-                                          torch.tensor(path, dtype=torch.long, device=logits.device)))
-                               for b, (_, path) in zip(rows, picked)])  # [k, length]
+            ids = _left_padded([torch.cat((contexts[b].to(logits.device, torch.long),
+                                           torch.tensor(path, dtype=torch.long, device=logits.device)))
+                                for b, (_, path) in zip(rows, picked)])  # [k, T]
             # stacked, a copy: processors may work in place, and never on the caller's logits
             scores = torch.stack([logits[b, key] for b, (key, _) in zip(rows, picked)]).float()
             scores = process.fn(rows, ids, scores)
@@ -438,6 +445,13 @@ def _choose_at(frontier: list[list[tuple[int, list[int]]]], first: Optional[list
             for b, (key, _), token in zip(rows, picked, tokens):
                 chosen_at[b][key] = token
     return [[chosen_at[b][key] for key, _ in nodes] for b, nodes in enumerate(need)]
+
+
+def _left_padded(prefixes: list[torch.Tensor]) -> torch.Tensor:
+    """k prefixes [L_j] -> [k, max L_j], each left-padded with its own first token."""
+    longest = max(p.shape[0] for p in prefixes)
+    return torch.stack([p if p.shape[0] == longest else torch.cat((p[:1].expand(longest - p.shape[0]), p))
+                        for p in prefixes])
 
 
 def _sample(scores: torch.Tensor, rows: list[int], nodes: list[int], generator: Optional[torch.Generator]) -> list[int]:

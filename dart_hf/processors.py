@@ -21,11 +21,16 @@ custom class, a function, a subclass of transformers' own) cannot be told apart 
 name unless the caller declares the call's processors stateless (`generate(..., dart_stateless_processors=True)`). A
 refusal is `NotApplicable` before any work; an attached head runs the call as plain `generate()` with one warning.
 `prefix_allowed_tokens_fn` is a function of (batch id, prefix) by transformers' own contract.
+
+Prefixes of different lengths share one call (`length_key`) when every processor is one of transformers' own whose
+result reads nothing of input_ids (temperature, top-k/p and the like) or only its length against a threshold
+(`min_length`, `min_new_tokens`) that every prefix of the call is on the same side of: the shorter prefixes are then
+left-padded to the longest, which no processor of the call can tell from plain's layout.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -83,6 +88,43 @@ def processor_refusal(processors, declared_stateless: bool = False) -> Optional[
     return None
 
 
+# transformers' processors (`transformers.generation.logits_process`) whose result reads nothing of input_ids
+IDS_FREE = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "TopHLogitsWarper", "MinPLogitsWarper",
+            "TypicalLogitsWarper", "EpsilonLogitsWarper", "EtaLogitsWarper", "SuppressTokensLogitsProcessor",
+            "InfNanRemoveLogitsProcessor", "LogitNormalization")
+_LOGITS_PROCESS = "transformers.generation.logits_process"
+
+
+def _length_threshold(processor) -> Optional[Callable[[int], bool]]:
+    """Prefix length -> whether `processor` acts, for transformers' processors that read input_ids only as its length
+    against one threshold (min_length, min_new_tokens); None for any other."""
+    name = type(processor).__name__
+    if name == "MinLengthLogitsProcessor" and isinstance(getattr(processor, "min_length", None), int):
+        return lambda length: length < processor.min_length
+    skip, least = getattr(processor, "prompt_length_to_skip", None), getattr(processor, "min_new_tokens", None)
+    if name == "MinNewTokensLengthLogitsProcessor" and isinstance(skip, int) and isinstance(least, int):
+        return lambda length: length - skip < least
+    return None
+
+
+def length_key(processors) -> Optional[Callable[[int], tuple]]:
+    """`BatchedProcessor.length_key` for `processors`: prefix length -> what each processor's result depends on when
+    every processor is one of transformers' own that reads nothing of input_ids (`IDS_FREE`) or only its length
+    against a threshold (`_length_threshold`), so prefixes of different lengths with one key share a call; else None
+    (one call per prefix length)."""
+    thresholds = []
+    for p in _each(processors):
+        if type(p).__module__ != _LOGITS_PROCESS:
+            return None
+        if type(p).__name__ in IDS_FREE:
+            continue
+        threshold = _length_threshold(p)
+        if threshold is None:
+            return None
+        thresholds.append(threshold)
+    return lambda length: tuple(threshold(length) for threshold in thresholds)
+
+
 def _cut(tokens: torch.Tensor, length: int, pad: int) -> torch.Tensor:
     """tokens [L] -> [length]: its first `length` tokens, or left-padded with `pad` when shorter."""
     if tokens.shape[0] >= length:
@@ -93,7 +135,8 @@ def _cut(tokens: torch.Tensor, length: int, pad: int) -> torch.Tensor:
 def batch_processor(processors, sequences: list[torch.Tensor], rows: list[int], pad: Optional[int]) -> BatchedProcessor:
     """`processors` in the caller's batch layout (module docstring), for `dart_core.verify.verify_tree`: tree row j is
     the caller's row rows[j]; `sequences` holds every caller's row's tokens so far ([1, L_r] each, left padding
-    included); `pad` (0 when None) fills rows shorter than the prefix asked about."""
+    included); `pad` (0 when None) fills rows shorter than the prefix asked about. Prefixes of different lengths
+    share a call where `length_key` shows the processors' result cannot tell them apart."""
     pad = 0 if pad is None else pad
 
     def call(tree_rows: list[int], ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
@@ -107,4 +150,4 @@ def batch_processor(processors, sequences: list[torch.Tensor], rows: list[int], 
         batch_scores[slots] = scores
         return processors(batch_ids, batch_scores)[slots]
 
-    return BatchedProcessor(call)
+    return BatchedProcessor(call, length_key(processors))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dart_core.tree import DraftTree, DraftTreeBatch
-from dart_core.verify import VerifyResult, accept_chosen, verify_greedy, verify_sampled, verify_tree
+from dart_core.verify import BatchedProcessor, VerifyResult, accept_chosen, verify_greedy, verify_sampled, verify_tree
 from helpers.sampling_checks import chi_square_pvalue
 
 # ------------------------------------------------------------------------------------------------------ helpers
@@ -351,6 +351,33 @@ def test_processor_sees_exact_prefixes_lazily() -> None:
                       generator=torch.Generator().manual_seed(0))
     check_result(res, 0, [0, 2, 3, 4], bonus=2)
     assert calls == [[5, 5, 0], [5, 5, 0, 3], [5, 5, 0, 3, 1], [5, 5, 0, 3, 1, 4]]
+
+
+def test_a_length_key_merges_prefixes_of_different_lengths_into_one_call() -> None:
+    """Rows whose prefix lengths share a `length_key` go to one call, left-padded with their own first token; a
+    processor that reads the length against a threshold keeps its result when the key holds the threshold, and a key
+    that does not (the control) changes it."""
+    # three rows, contexts of 3, 4 and 6 tokens; each tree a root and one child carrying the target's choice
+    contexts = [torch.tensor([7, 1, 2]), torch.tensor([8, 1, 2, 3]), torch.tensor([9, 1, 2, 3, 4, 2])]
+    trees = DraftTreeBatch.stack([make_tree([int(c[-1]), 0], [-1, 0]) for c in contexts])
+    logits = torch.zeros(3, 2, 6)
+    logits[:, :, 0], logits[:, :, 5] = 2.0, 1.0  # token 0 first, token 5 next
+
+    def processor(calls):
+        def fn(rows, ids, scores):  # bans token 0 while the prefix is shorter than 5 tokens
+            calls.append(ids.tolist())
+            return torch.where((torch.arange(6) == 0) & (ids.shape[1] < 5), -float("inf"), scores)
+        return fn
+
+    per_length, merged, blind = [], [], []
+    reference = verify_tree(trees, logits, contexts, BatchedProcessor(processor(per_length)))
+    res = verify_tree(trees, logits, contexts, BatchedProcessor(processor(merged), length_key=lambda n: n < 5))
+    assert_same(res, reference)
+    # the roots: a call per length, or per key (banned, not banned); the child only where token 0 was chosen
+    assert len(per_length) == 3 + 1 and len(merged) == 2 + 1
+    assert merged[0] == [[7, 7, 1, 2], [8, 1, 2, 3]]  # the shorter prefix padded with its own first token
+    wrong = verify_tree(trees, logits, contexts, BatchedProcessor(processor(blind), length_key=lambda n: ()))
+    assert not torch.equal(wrong.bonus_token, reference.bonus_token)
 
 
 # ------------------------------------------------------------------------------------- lossless sampling

@@ -2,9 +2,12 @@
 
 import pytest
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedTokenizerFast, pipeline
+from transformers import (LogitsProcessor, LogitsProcessorList, MinNewTokensLengthLogitsProcessor,
+                          PreTrainedTokenizerFast, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
+                          TopKLogitsWarper, pipeline)
 
 import dart_hf
+import dart_hf.processors
 from dart_core import TreeConfig
 from helpers.hf_models import PAD, left_padded, oracle_head, random_head, random_prompts, tiny_target, unpadded
 from helpers.sampling_checks import SMALL_TREE, chi_square_pvalue, exact_two_token_distribution, lossy_verify
@@ -170,6 +173,54 @@ def test_processors_see_the_batch_as_plain_generate_shows_it(case):
         assert all(bool((new[r] % 3 != r % 3).all()) for r in range(3))
     else:
         assert torch.equal(results[1], results[0])
+
+
+class OwnTemperature(TemperatureLogitsWarper):
+    """A subclass of one of transformers' processors: its result may read anything."""
+
+
+def test_length_key_only_for_transformers_processors_that_read_the_length_against_a_threshold():
+    from dart_hf.processors import length_key
+
+    min_new = MinNewTokensLengthLogitsProcessor(prompt_length_to_skip=5, min_new_tokens=3, eos_token_id=2)
+    key = length_key(LogitsProcessorList([min_new, TemperatureLogitsWarper(0.7), TopKLogitsWarper(4)]))
+    assert key(6) == key(7) == (True,) and key(8) == key(30) == (False,)
+    assert length_key(LogitsProcessorList([TemperatureLogitsWarper(0.7)]))(9) == ()
+    for other in (RepetitionPenaltyLogitsProcessor(1.2), OwnTemperature(0.7), lambda ids, scores: scores):
+        assert length_key(LogitsProcessorList([min_new, other])) is None
+
+
+@pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sampled"])
+def test_rows_of_different_lengths_share_a_call_when_only_min_new_tokens_reads_the_length(monkeypatch, sample):
+    """A batch whose rows accept different amounts: with min_new_tokens (and temperature when sampling) each depth of
+    the walk makes one call per side of the threshold, not one per row length; greedy output stays plain's."""
+    model = dart_hf.enable(tiny_target(), False)
+    ids, mask = left_padded(random_prompts((5, 8, 3, 6), seed=11))
+    kwargs = dict(attention_mask=mask, max_new_tokens=16, pad_token_id=PAD, do_sample=sample)
+    full = model.generate(ids, **kwargs)
+    kwargs.update(eos_token_id=int(full[0, ids.shape[1] + 5]), min_new_tokens=8)
+    if sample:
+        kwargs.update(temperature=0.8, top_k=0)
+    references = [unpadded(full[b], mask[b]) for b in range(4)]
+    calls = []
+    own_call = MinNewTokensLengthLogitsProcessor.__call__
+    monkeypatch.setattr(MinNewTokensLengthLogitsProcessor, "__call__",
+                        lambda self, i, s: calls.append(i.shape[1]) or own_call(self, i, s))
+    outputs = {}
+    for merged in (True, False):
+        if not merged:
+            monkeypatch.setattr(dart_hf.processors, "length_key", lambda processors: None)
+        calls.clear()
+        torch.manual_seed(0)
+        outputs[merged] = model.generate(ids, dart_head=oracle_head(model, references, wrong_every=3), **kwargs)
+        outputs[merged, "calls"] = len(calls)
+    assert outputs[True, "calls"] < outputs[False, "calls"]
+    if sample:  # merged calls draw rows together, so the draws differ; no row ends before its 8th new token
+        new = outputs[True][:, ids.shape[1]:]
+        assert not bool((new[:, :8] == kwargs["eos_token_id"]).any())
+    else:
+        torch.manual_seed(0)
+        assert torch.equal(outputs[True], model.generate(ids, **kwargs))
 
 
 def test_a_processor_with_state_between_calls_is_refused_by_name_and_an_attached_head_runs_plain():
