@@ -21,6 +21,7 @@ from dart_core.speed import Mode
 from dart_core.step_policy import CallPolicy
 from dart_hf.controller import PlainClock, controller_for, existing_controller, save_learned
 from dart_hf.target import context_drafting
+from dart_runtime.matmul import few_row_linears
 from dart_hf.loop import (DART_ARGUMENTS, ENABLED_MARKER, DartOptions, NotApplicable, _record_stats, dart_decoding,
                           last_stats)
 
@@ -137,7 +138,9 @@ class DartGenerationMixin:
 
     def _timed_plain_generate(self, controller, reason: Optional[str], inputs, generation_config, kwargs):
         """The call as plain generate() because DART does not pay here (after `reason` as a warning, given once per
-        regime), its steps timed for the controller (`PlainClock`)."""
+        regime), its steps timed for the controller (`PlainClock`). Its few-row linear layers take the product DART's
+        own plain steps take (`few_row_linears`: the faster of two kernels on this machine, equal to float rounding),
+        so that falling back costs what the controller measured DART's plain steps at."""
         from transformers import StoppingCriteriaList
 
         if reason is not None:
@@ -146,7 +149,8 @@ class DartGenerationMixin:
         clock = PlainClock()
         timed = dict(kwargs, stopping_criteria=StoppingCriteriaList([*(kwargs.get("stopping_criteria") or []), clock]))
         try:
-            return super().generate(inputs, generation_config, **timed)
+            with few_row_linears(self):
+                return super().generate(inputs, generation_config, **timed)
         finally:
             clock.report(controller)
             save_learned(controller)

@@ -88,3 +88,31 @@ def test_an_attached_head_that_cannot_pay_finishes_plain_with_one_warning(tmp_pa
     # asked for by name, the head decodes with DART all the same (tree sizes still adapt)
     out = model.generate(PROMPT, max_new_tokens=12, do_sample=False, dart_head=head)
     assert torch.equal(out, plain[:, :out.shape[1]]) and model.dart_stats.plain_steps == 0
+
+
+def test_an_attached_call_that_runs_plain_takes_the_few_row_product_of_dart_plain_steps(tmp_path, monkeypatch):
+    """A regime's plain verdict runs the call as plain generate(), its few-row layers (2 rows a step at batch 2)
+    through the kernel choice DART's own plain steps take, so that falling back costs what the controller measured."""
+    import dart_runtime.matmul as matmul
+
+    monkeypatch.setenv("DART_SPEC_CACHE", str(tmp_path))
+    batch = torch.tensor([[5, 17, 33, 2, 9, 41, 12], [0, 0, 8, 3, 3, 60, 1]])
+    kwargs = dict(attention_mask=(batch > 0).long(), max_new_tokens=12, do_sample=False, pad_token_id=0)
+    model = dart_hf.enable(tiny_target(), False)
+    plain = model.generate(batch, **kwargs)
+    head = oracle_head(model, plain[0], wrong_every=2)
+    attached = dart_hf.enable(tiny_target(), head)
+    attached.generate(batch, **kwargs)  # makes the controller
+    controller = controller_module.existing_controller(attached, head, store=True)
+    controller.set_plain((2, 256), probing=False)
+    rows = []
+    choice = matmul.kernel_choice
+    monkeypatch.setattr(matmul, "kernel_choice", lambda weight, n: rows.append(n) or choice(weight, n))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DartFallbackWarning)  # given once per regime
+        out = attached.generate(batch, **kwargs)
+    assert attached.dart_stats is None and torch.equal(out, plain)  # plain generate(), plain's tokens
+    assert 2 in rows
+    rows.clear()
+    model.generate(batch, **kwargs)  # plain generate() itself keeps the model's own product
+    assert rows == []
