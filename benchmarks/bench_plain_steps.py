@@ -1,5 +1,7 @@
 """What a step of the roots alone costs inside DART's loop against a step of plain generate(): the steps an attached
-call takes to measure plain decoding and to finish a regime where DART does not pay.
+call takes to measure plain decoding and to finish a regime where DART does not pay; and what a call costs that runs as
+plain generate() because its regime's verdict is plain (the fallback: plain generate() with the few-row product
+of DART's own plain steps, `dart_runtime.matmul.few_row_linears`).
 
     python benchmarks/bench_plain_steps.py --json benchmarks/results/plain_steps.json
     python benchmarks/bench_plain_steps.py --batch-sizes 1 --rounds 2 --new-tokens 8          # a quick check
@@ -8,8 +10,9 @@ SmolLM2-135M-Instruct float32 and the shipped head, greedy, held-out chat prompt
 fresh_prompts.jsonl`, left-padded), `min_new_tokens` = `max_new_tokens` (generate() adds its min-length logits
 processor, as a user's length settings do). For each batch size, plain `generate()` and a DART call whose step policy
 decides a plain step every time (transformers' `generate` with `custom_generate=dart_decoding` and
-`dart_step_policy`) alternate `--rounds` times after one warm-up each; the ratio is
-plain's median wall time over the DART call's (1.00x: a plain step in DART's loop costs what plain's does). DART's
+`dart_step_policy`) and the fallback alternate `--rounds` times after one warm-up each; a ratio is
+plain's median wall time over the other's (1.00x: a plain step in DART's loop, or the fallback, costs what plain's
+does). DART's
 per-step phases (median ms over the rounds, `DartStats`): the target forward and the acceptance (logits processors
 and the chosen token).
 """
@@ -27,6 +30,7 @@ import dart_hf
 from dart_bench import DATA_DIR, chat_batch, environment, interleave, prompts_from_file, script_parser, write_results
 from dart_core.step_policy import PLAIN
 from dart_hf.loop import dart_decoding
+from dart_runtime.matmul import few_row_linears
 
 
 class PlainSteps:
@@ -72,18 +76,23 @@ def main(argv=None) -> int:
             phases["accept"].append(stats.accept_time / stats.forwards * 1e3)
             return out.sequences
 
+        def fallback():
+            with few_row_linears(model):
+                return model.generate(**batch, **settings)
+
         def keep(key, result, seconds, round_):
             outputs[key] = result.tolist()
 
-        clock = interleave({"plain": plain, "dart": dart}, args.rounds, warmup=1, after=keep)
-        plain_s, dart_s = (statistics.median(clock.seconds[k]) for k in ("plain", "dart"))
+        clock = interleave({"plain": plain, "dart": dart, "fallback": fallback}, args.rounds, warmup=1, after=keep)
+        plain_s, dart_s, fallback_s = (statistics.median(clock.seconds[k]) for k in ("plain", "dart", "fallback"))
         row = {"batch_size": batch_size, "plain_s": plain_s, "dart_plain_steps_s": dart_s, "ratio": plain_s / dart_s,
+               "fallback_s": fallback_s, "fallback_ratio": plain_s / fallback_s,
                "target_ms": statistics.median(phases["target"]), "accept_ms": statistics.median(phases["accept"]),
-               "identical": outputs["plain"] == outputs["dart"]}
+               "identical": outputs["plain"] == outputs["dart"] == outputs["fallback"]}
         rows.append(row)
         print(f"batch {batch_size}: plain {plain_s:.3f} s, DART's plain steps {dart_s:.3f} s, {row['ratio']:.3f}x "
-              f"(target {row['target_ms']:.1f} ms, acceptance {row['accept_ms']:.2f} ms a step), identical "
-              f"{row['identical']}", flush=True)
+              f"(target {row['target_ms']:.1f} ms, acceptance {row['accept_ms']:.2f} ms a step), the fallback "
+              f"{fallback_s:.3f} s, {row['fallback_ratio']:.3f}x, identical {row['identical']}", flush=True)
     if args.json:
         write_results(args.json, {"environment": environment(torch.device("cpu"), Path(__file__).resolve().parents[1]),
                                   "new_tokens": args.new_tokens, "rounds": args.rounds, "rows": rows})
