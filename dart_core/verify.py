@@ -33,8 +33,8 @@ ContextIds = Union[torch.Tensor, Sequence[torch.Tensor]]
 @dataclasses.dataclass(frozen=True)
 class BatchedProcessor:
     """A logits processor that takes several tree rows' nodes at once: `fn(rows, input_ids [k, T] int64, scores
-    [k, V] float32) -> [k, V]`, line j for a node of tree row rows[j] (distinct rows, prefixes of one length T, or left-padded to T as `length_key` allows). Line
-    j of the result must be what processing that node alone gives.
+    [k, V] float32) -> [k, V]`, line j for a node of tree row rows[j] (distinct rows, prefixes of one length T, or
+    left-padded to T as `length_key` allows). Line j of the result must be what processing that node alone gives.
 
     `length_key` (prefix length -> a hashable key), when given, lets rows whose prefix lengths share a key go to one
     call, each prefix left-padded with its own first token to the longest of them (T): only for processors whose
@@ -383,10 +383,10 @@ def _processed_walk(tokens: list[list[int]], parents: list[list[int]], contexts:
                     generator: Optional[torch.Generator]) -> tuple[list[list[int]], list[int]]:
     """The chosen-token walk over every row's valid nodes (`accept_chosen`'s rule, lazily), all rows a depth at a
     time: the nodes of one depth whose parent's chosen token they carry are visited together, their processed scores
-    computed in one `process` call per prefix length or `length_key` (each row once a call) -> per row (accepted path root first,
-    bonus). Greedy chooses the argmax at every visited node; sampling one draw per distinct token path, made at the
-    first node with that path (`_first_nodes`). The accepted node is the deepest reached, ties -> smallest index; with
-    distinct siblings this visits exactly each row's accepted path."""
+    computed in one `process` call per prefix length or `length_key` (each row once a call) -> per row (accepted path
+    root first, bonus). Greedy chooses the argmax at every visited node; sampling one draw per distinct token path,
+    made at the first node with that path (`_first_nodes`). The accepted node is the deepest reached, ties ->
+    smallest index; with distinct siblings this visits exactly each row's accepted path."""
     rows = len(tokens)
     children = [[[] for _ in row] for row in tokens]
     for b, row in enumerate(parents):

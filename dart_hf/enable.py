@@ -21,9 +21,9 @@ from dart_core.speed import Mode
 from dart_core.step_policy import CallPolicy
 from dart_hf.controller import PlainClock, controller_for, existing_controller, save_learned
 from dart_hf.target import context_drafting
-from dart_runtime.matmul import few_row_linears
 from dart_hf.loop import (DART_ARGUMENTS, ENABLED_MARKER, DartOptions, NotApplicable, _record_stats, dart_decoding,
                           last_stats)
+from dart_runtime.matmul import few_row_linears
 
 _SUBCLASSES: dict[type, type] = {}
 # generate() arguments that pick another decoding method, which DART tree decoding does not combine with

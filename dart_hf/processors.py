@@ -99,8 +99,9 @@ def _length_threshold(processor) -> Optional[Callable[[int], bool]]:
     """Prefix length -> whether `processor` acts, for transformers' processors that read input_ids only as its length
     against one threshold (min_length, min_new_tokens); None for any other."""
     name = type(processor).__name__
-    if name == "MinLengthLogitsProcessor" and isinstance(getattr(processor, "min_length", None), int):
-        return lambda length: length < processor.min_length
+    shortest = getattr(processor, "min_length", None)
+    if name == "MinLengthLogitsProcessor" and isinstance(shortest, int):
+        return lambda length: length < shortest
     skip, least = getattr(processor, "prompt_length_to_skip", None), getattr(processor, "min_new_tokens", None)
     if name == "MinNewTokensLengthLogitsProcessor" and isinstance(skip, int) and isinstance(least, int):
         return lambda length: length - skip < least
