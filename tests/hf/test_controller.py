@@ -102,14 +102,14 @@ def test_an_attached_call_that_runs_plain_takes_the_few_row_product_of_dart_plai
     plain = model.generate(batch, **kwargs)
     head = oracle_head(model, plain[0], wrong_every=2)
     attached = dart_hf.enable(tiny_target(), head)
-    attached.generate(batch, **kwargs)  # makes the controller
-    controller = controller_module.existing_controller(attached, head, store=True)
-    controller.set_plain((2, 256), probing=False)
     rows = []
     choice = matmul.kernel_choice
-    monkeypatch.setattr(matmul, "kernel_choice", lambda weight, n: rows.append(n) or choice(weight, n))
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DartFallbackWarning)  # given once per regime
+        warnings.simplefilter("ignore", DartFallbackWarning)  # the first call may find that DART does not pay here
+        attached.generate(batch, **kwargs)  # makes the controller
+        controller = controller_module.existing_controller(attached, head, store=True)
+        controller.set_plain((2, 256), probing=False)
+        monkeypatch.setattr(matmul, "kernel_choice", lambda weight, n: rows.append(n) or choice(weight, n))
         out = attached.generate(batch, **kwargs)
     assert attached.dart_stats is None and torch.equal(out, plain)  # plain generate(), plain's tokens
     assert 2 in rows
