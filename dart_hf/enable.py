@@ -3,6 +3,7 @@ every later `generate()` uses."""
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import dataclasses
 import functools
@@ -138,9 +139,10 @@ class DartGenerationMixin:
 
     def _timed_plain_generate(self, controller, reason: Optional[str], inputs, generation_config, kwargs):
         """The call as plain generate() because DART does not pay here (after `reason` as a warning, given once per
-        regime), its steps timed for the controller (`PlainClock`). Its few-row linear layers take the product DART's
-        own plain steps take (`few_row_linears`: the faster of two kernels on this machine, equal to float rounding),
-        so that falling back costs what the controller measured DART's plain steps at."""
+        regime), its steps timed for the controller (`PlainClock`). A batch's few-row linear layers take the product
+        DART's own plain steps take (`few_row_linears`: the faster of two kernels on this machine, equal to float
+        rounding), so that falling back costs what the controller measured DART's plain steps at; a single sequence's
+        steps are one-row products either way, so its call is the model's own."""
         from transformers import StoppingCriteriaList
 
         if reason is not None:
@@ -148,8 +150,9 @@ class DartGenerationMixin:
         _record_stats(self, None)
         clock = PlainClock()
         timed = dict(kwargs, stopping_criteria=StoppingCriteriaList([*(kwargs.get("stopping_criteria") or []), clock]))
+        kernels = few_row_linears(self) if _call_shape(inputs, kwargs)[0] > 1 else contextlib.nullcontext()
         try:
-            with few_row_linears(self):
+            with kernels:
                 return super().generate(inputs, generation_config, **timed)
         finally:
             clock.report(controller)

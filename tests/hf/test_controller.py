@@ -92,7 +92,8 @@ def test_an_attached_head_that_cannot_pay_finishes_plain_with_one_warning(tmp_pa
 
 def test_an_attached_call_that_runs_plain_takes_the_few_row_product_of_dart_plain_steps(tmp_path, monkeypatch):
     """A regime's plain verdict runs the call as plain generate(), its few-row layers (2 rows a step at batch 2)
-    through the kernel choice DART's own plain steps take, so that falling back costs what the controller measured."""
+    through the kernel choice DART's own plain steps take, so that falling back costs what the controller measured;
+    a single sequence's call is the model's own (its steps are one-row products either way)."""
     import dart_runtime.matmul as matmul
 
     monkeypatch.setenv("DART_SPEC_CACHE", str(tmp_path))
@@ -116,3 +117,9 @@ def test_an_attached_call_that_runs_plain_takes_the_few_row_product_of_dart_plai
     rows.clear()
     model.generate(batch, **kwargs)  # plain generate() itself keeps the model's own product
     assert rows == []
+    controller.regime(1, 7)
+    controller.set_plain((1, 256), probing=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DartFallbackWarning)
+        one = attached.generate(batch[:1], **dict(kwargs, attention_mask=kwargs["attention_mask"][:1]))  # one-row steps
+    assert attached.dart_stats is None and torch.equal(one, plain[:1]) and rows == []
