@@ -1,7 +1,7 @@
 """What a step of the roots alone costs inside DART's loop against a step of plain generate(): the steps an attached
 call takes to measure plain decoding and to finish a regime where DART does not pay; and what a call costs that runs as
-plain generate() because its regime's verdict is plain (the fallback: plain generate() with the few-row product
-of DART's own plain steps, `dart_runtime.matmul.few_row_linears`).
+plain generate() because its regime's verdict is plain (the fallback: plain generate() with the kernels
+`dart_hf.enable.fallback_kernels` gives it: at batch 2 or more, the few-row product of DART's own plain steps).
 
     python benchmarks/bench_plain_steps.py --json benchmarks/results/plain_steps.json
     python benchmarks/bench_plain_steps.py --batch-sizes 1 --rounds 2 --new-tokens 8          # a quick check
@@ -29,8 +29,8 @@ from transformers import GenerationMixin
 import dart_hf
 from dart_bench import DATA_DIR, chat_batch, environment, interleave, prompts_from_file, script_parser, write_results
 from dart_core.step_policy import PLAIN
+from dart_hf.enable import fallback_kernels
 from dart_hf.loop import dart_decoding
-from dart_runtime.matmul import few_row_linears
 
 
 class PlainSteps:
@@ -77,7 +77,7 @@ def main(argv=None) -> int:
             return out.sequences
 
         def fallback():
-            with few_row_linears(model):
+            with fallback_kernels(model, batch_size):
                 return model.generate(**batch, **settings)
 
         def keep(key, result, seconds, round_):

@@ -51,6 +51,14 @@ def _call_shape(inputs, kwargs: dict) -> tuple[int, int]:
     return 1, 1
 
 
+def fallback_kernels(model, batch_size: int):
+    """The kernels of an attached call of `batch_size` sequences that runs as plain generate(): for a batch, the
+    few-row product DART's own plain steps take (`few_row_linears`: the faster of two kernels on this machine, equal to
+    float rounding), so that falling back costs what the speed rule measured DART's plain steps at; for a single
+    sequence, whose steps are one-row products either way, the model's own."""
+    return few_row_linears(model) if batch_size > 1 else contextlib.nullcontext()
+
+
 class DartGenerationMixin:
     """Routes `generate(dart_head=...)` (or every call, with a head attached by `enable(model, head)`) to DART tree
     decoding and `generate(assistant_model=<DartHead>)` to transformers' assisted loop with a
@@ -139,10 +147,7 @@ class DartGenerationMixin:
 
     def _timed_plain_generate(self, controller, reason: Optional[str], inputs, generation_config, kwargs):
         """The call as plain generate() because DART does not pay here (after `reason` as a warning, given once per
-        regime), its steps timed for the controller (`PlainClock`). A batch's few-row linear layers take the product
-        DART's own plain steps take (`few_row_linears`: the faster of two kernels on this machine, equal to float
-        rounding), so that falling back costs what the controller measured DART's plain steps at; a single sequence's
-        steps are one-row products either way, so its call is the model's own."""
+        regime), its steps timed for the controller (`PlainClock`), with `fallback_kernels`."""
         from transformers import StoppingCriteriaList
 
         if reason is not None:
@@ -150,9 +155,8 @@ class DartGenerationMixin:
         _record_stats(self, None)
         clock = PlainClock()
         timed = dict(kwargs, stopping_criteria=StoppingCriteriaList([*(kwargs.get("stopping_criteria") or []), clock]))
-        kernels = few_row_linears(self) if _call_shape(inputs, kwargs)[0] > 1 else contextlib.nullcontext()
         try:
-            with kernels:
+            with fallback_kernels(self, _call_shape(inputs, kwargs)[0]):
                 return super().generate(inputs, generation_config, **timed)
         finally:
             clock.report(controller)
