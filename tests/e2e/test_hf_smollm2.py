@@ -115,28 +115,36 @@ def test_lm_eval_generate_until_with_the_shipped_head_equals_plain(batch_size):
     assert attached.dart_stats is not None  # the harness's calls went through DART
 
 
-def test_bfloat16_dart_leaves_plain_no_earlier_than_prompt_lookup():
-    """In bfloat16 a tree forward rounds differently from a one-token forward, so greedy DART can part from plain
-    bfloat16 at a near-tie, as transformers' prompt lookup can (the peer with the same property, and the control
-    that parts too). Over 20 MT-Bench prompts DART must not part earlier than prompt lookup (median first new token
-    that differs; an identical output counts as the whole length); in float32 both stay identical."""
-    import statistics
-
-    from dart_bench import DATA_DIR, PROMPT_LOOKUP_TOKENS, first_difference, load_prompt_sets
+def test_bfloat16_dart_parts_from_plain_only_at_a_rounding_tie():
+    """In bfloat16 a tree forward rounds differently from a one-token forward, so greedy DART may part from plain
+    bfloat16 where two tokens are within rounding of each other (transformers' prompt lookup does too; in float32 both
+    stay identical). Where DART's output first differs from plain's, plain's logit of its own token must exceed that of
+    DART's by no more than rounding alone moves a top-2 margin on this machine: twice the largest change of any of
+    plain's top-2 margins between its one-token steps and one forward over the same text. Control: at each prompt's
+    widest margin, the runner-up token is refused (the check tells a rounding tie from a wrong token)."""
+    from dart_bench import DATA_DIR, first_difference, load_prompt_sets
 
     model, tokenizer, head = dart_hf.load_default(target_dtype=torch.bfloat16)
     tree = dart_hf.calibration.base_tree_config(model, head)
     tree = type(tree)(**{**tree.to_dict(), "remain_total": 12})  # a tree of the size bfloat16 affords on a CPU
-    new = 64
-    parted = {"dart": [], "prompt_lookup": []}
-    for text in load_prompt_sets(DATA_DIR, 20, ["mt_bench"])["mt_bench"]:
+    new, noise, gaps, widest = 64, 0.0, [], []
+    for text in load_prompt_sets(DATA_DIR, 12, ["mt_bench"])["mt_bench"]:
         ids = chat(tokenizer, text)
+        n = ids.shape[1]
         kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new, do_sample=False)
-        plain = model.generate(ids, **kwargs)[0, ids.shape[1]:]
-        runs = {"dart": model.generate(ids, dart_head=head, dart_tree_config=tree, **kwargs),
-                "prompt_lookup": model.generate(ids, prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS, **kwargs)}
-        for name, out in runs.items():
-            where = first_difference(out[0, ids.shape[1]:], plain)
-            parted[name].append(new if where is None else where)
-    print(parted)
-    assert statistics.median(parted["dart"]) >= statistics.median(parted["prompt_lookup"])
+        run = model.generate(ids, output_logits=True, return_dict_in_generate=True, **kwargs)
+        plain, steps = run.sequences[0, n:], torch.stack(run.logits)[:, 0].float()  # [new], [new, V]
+        with torch.no_grad():
+            whole = model(run.sequences[:, :-1]).logits[0, n - 1:].float()  # [new, V]: one forward, same text
+        top = steps.topk(2, dim=-1).indices  # [new, 2]
+        margin = steps.gather(1, top)[:, 0] - steps.gather(1, top)[:, 1]  # [new]
+        noise = max(noise, float((margin - (whole.gather(1, top)[:, 0] - whole.gather(1, top)[:, 1])).abs().max()))
+        widest.append(float(margin.max()))
+        out = model.generate(ids, dart_head=head, dart_tree_config=tree, **kwargs)[0, n:]
+        where = first_difference(out, plain)
+        if where is not None:
+            gaps.append(float(steps[where, plain[where]] - steps[where, out[where]]))
+    tolerance = 2 * noise
+    print(f"parting gaps {gaps}, tolerance {tolerance}, widest margins {widest}")
+    assert all(gap <= tolerance for gap in gaps)
+    assert all(margin > tolerance for margin in widest)  # the control: a runner-up there would be refused
