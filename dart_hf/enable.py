@@ -94,11 +94,11 @@ class DartGenerationMixin:
         stored = options.output_store is not None  # earlier outputs change what trees accept: apart estimates
         if options.tree_config is None:  # each step's tree chosen by what DART measures here (dart_hf.controller)
             controller = existing_controller(self, options.head, context, stored)
-            mode, reason = Mode.DART, None
+            mode, reason, shape = Mode.DART, None, _call_shape(inputs, kwargs)
             if controller is not None and not explicit:
-                mode, reason = controller.call_mode(*_call_shape(inputs, kwargs))
+                mode, reason = controller.call_mode(*shape)
             if mode == Mode.PLAIN:
-                result = self._timed_plain_generate(controller, reason, inputs, generation_config, kwargs)
+                result = self._timed_plain_generate(controller, reason, shape[0], inputs, generation_config, kwargs)
                 remember_outputs(options.output_store, inputs, kwargs, result, self._call_eos(generation_config, kwargs))
                 return result
             # the controller is made (reading what earlier processes learned) once the call's checks have passed
@@ -145,9 +145,10 @@ class DartGenerationMixin:
         _record_stats(self, None)
         return super().generate(inputs, generation_config, **kwargs)
 
-    def _timed_plain_generate(self, controller, reason: Optional[str], inputs, generation_config, kwargs):
-        """The call as plain generate() because DART does not pay here (after `reason` as a warning, given once per
-        regime), its steps timed for the controller (`PlainClock`), with `fallback_kernels`."""
+    def _timed_plain_generate(self, controller, reason: Optional[str], batch_size: int, inputs, generation_config,
+                              kwargs):
+        """The call of `batch_size` sequences as plain generate() because DART does not pay here (after `reason` as a
+        warning, given once per regime), its steps timed for the controller (`PlainClock`), with `fallback_kernels`."""
         from transformers import StoppingCriteriaList
 
         if reason is not None:
@@ -156,7 +157,7 @@ class DartGenerationMixin:
         clock = PlainClock()
         timed = dict(kwargs, stopping_criteria=StoppingCriteriaList([*(kwargs.get("stopping_criteria") or []), clock]))
         try:
-            with fallback_kernels(self, _call_shape(inputs, kwargs)[0]):
+            with fallback_kernels(self, batch_size):
                 return super().generate(inputs, generation_config, **timed)
         finally:
             clock.report(controller)

@@ -136,9 +136,14 @@ def test_bfloat16_dart_parts_from_plain_only_at_a_rounding_tie():
         plain, steps = run.sequences[0, n:], torch.stack(run.logits)[:, 0].float()  # [new], [new, V]
         with torch.no_grad():
             whole = model(run.sequences[:, :-1]).logits[0, n - 1:].float()  # [new, V]: one forward, same text
-        top = steps.topk(2, dim=-1).indices  # [new, 2]
-        margin = steps.gather(1, top)[:, 0] - steps.gather(1, top)[:, 1]  # [new]
-        noise = max(noise, float((margin - (whole.gather(1, top)[:, 0] - whole.gather(1, top)[:, 1])).abs().max()))
+        top = steps.topk(2, dim=-1).indices  # [new, 2]: plain's two best tokens at each step
+
+        def top2_margin(logits):  # [new, V] -> [new]: logit of plain's best token less that of its runner-up
+            pair = logits.gather(1, top)
+            return pair[:, 0] - pair[:, 1]
+
+        margin = top2_margin(steps)
+        noise = max(noise, float((margin - top2_margin(whole)).abs().max()))
         widest.append(float(margin.max()))
         out = model.generate(ids, dart_head=head, dart_tree_config=tree, **kwargs)[0, n:]
         where = first_difference(out, plain)
