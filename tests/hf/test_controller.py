@@ -90,6 +90,27 @@ def test_an_attached_head_that_cannot_pay_finishes_plain_with_one_warning(tmp_pa
     assert torch.equal(out, plain[:, :out.shape[1]]) and model.dart_stats.plain_steps == 0
 
 
+def test_a_fresh_regimes_first_dart_steps_verify_the_cheapest_tree(tmp_path, monkeypatch):
+    """Small trees first: in a fresh cache, an attached head that fills its trees starts with trees of 1 draft node
+    (2 rows a sequence; a CPU whose few-row products cost more than one row loses least there), and a larger tree
+    comes only after a timed smaller one (the first step of a size is not timed)."""
+    from dart_core.speed import LADDER
+
+    monkeypatch.setenv("DART_SPEC_CACHE", str(tmp_path))
+    model = dart_hf.enable(tiny_target(), False)
+    plain = model.generate(PROMPT, max_new_tokens=40, do_sample=False)
+    attached = dart_hf.enable(tiny_target(), oracle_head(model, plain[0]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DartFallbackWarning)  # the tiny model's steps may not pay on this CPU
+        out = attached.generate(PROMPT, max_new_tokens=40, do_sample=False)
+    assert torch.equal(out, plain)
+    sizes = [s for s in attached.dart_stats.tree_sizes if s]
+    assert sizes[:2] == [1, 1]
+    for i, size in enumerate(sizes):
+        timed = [s for j, s in enumerate(sizes[:i]) if s in sizes[:j]]  # sizes with a step after their first
+        assert size in sizes[:i] or size <= LADDER * (max(timed, default=0) + 1) - 1
+
+
 def test_an_attached_call_that_runs_plain_takes_the_few_row_product_of_dart_plain_steps(tmp_path, monkeypatch):
     """A regime's plain verdict runs the call as plain generate(), its few-row layers (2 rows a step at batch 2)
     through the kernel choice DART's own plain steps take, so that falling back costs what the controller measured;

@@ -14,6 +14,7 @@ from helpers.hf_models import oracle_head, random_head, tiny_target
 from helpers.sampling_checks import SMALL_TREE, chi_square_pvalue, exact_two_token_distribution, lossy_verify
 
 PROMPTS = [torch.tensor([[5, 17, 33, 2, 9, 41, 12]]), torch.tensor([[60, 61, 62]])]
+BLOCKS = TreeConfig()  # a fixed tree: whole blocks accepted from the first step (the speed rule starts at 1 node)
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
@@ -25,7 +26,7 @@ def test_greedy_identical_to_plain_generate(arch, attn):
         random_out = model.generate(prompt, max_new_tokens=24, do_sample=False, dart_head=random_head(model))
         assert torch.equal(random_out, plain)
         good = oracle_head(model, plain[0], wrong_every=5)  # right except every 5th position
-        good_out = model.generate(prompt, max_new_tokens=24, do_sample=False, dart_head=good)
+        good_out = model.generate(prompt, max_new_tokens=24, do_sample=False, dart_head=good, dart_tree_config=BLOCKS)
         assert torch.equal(good_out, plain)
         assert model.dart_stats.tau > 2.0  # whole blocks are accepted from the tree
 
@@ -91,7 +92,7 @@ def test_eos_inside_an_accepted_block(eos_kind):
     plain = model.generate(prompt, max_new_tokens=30, do_sample=False, eos_token_id=eos_arg)
     assert plain.shape[1] < full.shape[0]
     out = model.generate(prompt, max_new_tokens=30, do_sample=False, eos_token_id=eos_arg,
-                         dart_head=oracle_head(model, full))
+                         dart_head=oracle_head(model, full), dart_tree_config=BLOCKS)
     assert torch.equal(out, plain)
     assert max(model.dart_stats.accepted_lengths) >= 3  # the EOS arrived inside a multi-token block
 
@@ -272,7 +273,7 @@ def test_cuda_graph_flag_falls_back_to_eager_off_cuda():
     plain = model.generate(PROMPTS[0], max_new_tokens=16, do_sample=False)
     with pytest.warns(UserWarning, match="dart_cuda_graph=True applies on CUDA only"):
         out = model.generate(PROMPTS[0], max_new_tokens=16, do_sample=False, dart_cuda_graph=True,
-                             dart_head=oracle_head(model, plain[0]))
+                             dart_head=oracle_head(model, plain[0]), dart_tree_config=BLOCKS)
     assert torch.equal(out, plain) and model.dart_stats.tau > 2.0
     with pytest.raises(ValueError, match="need dart_head"):
         model.generate(PROMPTS[0], max_new_tokens=4, dart_cuda_graph=True)
