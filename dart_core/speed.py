@@ -61,7 +61,7 @@ FIRST_PROBE_AFTER, MAX_PROBE_AFTER = 2, 64  # plain calls in a plain regime befo
 OUTLIER = 2.0  # a step time above twice its estimate counts as twice (`Mean.add_robust`)
 SHAPE_TOLERANCE = 1.3  # timed / predicted step ratios within 30% of each other: a calibrated cost's shape holds
 MIN_FIT_SPAN = 1.5  # a line through timed steps needs verified row counts that differ by half
-FIRST_ROWS = 2  # small trees first: a drafter that fills its trees starts a regime at 2 rows a sequence (1 node)
+FIRST_ROWS = 4  # small trees first: a drafter that fills its trees starts a regime at <= 4 rows a sequence (3 nodes)
 LADDER = 2.0  # a size not timed in a regime is tried only up to twice the rows a sequence of the largest one timed
 CONTEXT_BUCKET_MIN = 256  # contexts up to 256 positions share a regime; above, one regime per power of two
 # no step of a decoding loop takes a day; no ratio of observed to predicted step time is beyond a million either way

@@ -90,11 +90,11 @@ def test_an_attached_head_that_cannot_pay_finishes_plain_with_one_warning(tmp_pa
     assert torch.equal(out, plain[:, :out.shape[1]]) and model.dart_stats.plain_steps == 0
 
 
-def test_a_fresh_regimes_first_dart_steps_verify_the_cheapest_tree(tmp_path, monkeypatch):
-    """Small trees first: in a fresh cache, an attached head that fills its trees starts with trees of 1 draft node
-    (2 rows a sequence; a CPU whose few-row products cost more than one row loses least there), and a larger tree
-    comes only after a timed smaller one (the first step of a size is not timed)."""
-    from dart_core.speed import LADDER
+def test_a_fresh_regimes_first_dart_steps_verify_small_trees(tmp_path, monkeypatch):
+    """Small trees first: in a fresh cache, an attached head that fills its trees starts with the largest tree within
+    `FIRST_ROWS` rows a sequence, and a larger tree comes only after a timed smaller one (the first step of a size is
+    not timed) within `LADDER` times its rows."""
+    from dart_core.speed import FIRST_ROWS, LADDER
 
     monkeypatch.setenv("DART_SPEC_CACHE", str(tmp_path))
     model = dart_hf.enable(tiny_target(), False)
@@ -105,10 +105,11 @@ def test_a_fresh_regimes_first_dart_steps_verify_the_cheapest_tree(tmp_path, mon
         out = attached.generate(PROMPT, max_new_tokens=40, do_sample=False)
     assert torch.equal(out, plain)
     sizes = [s for s in attached.dart_stats.tree_sizes if s]
-    assert sizes[:2] == [1, 1]
+    assert sizes[:2] == [FIRST_ROWS - 1] * 2
     for i, size in enumerate(sizes):
         timed = [s for j, s in enumerate(sizes[:i]) if s in sizes[:j]]  # sizes with a step after their first
-        assert size in sizes[:i] or size <= LADDER * (max(timed, default=0) + 1) - 1
+        reach = LADDER * (max(timed) + 1) - 1 if timed else FIRST_ROWS - 1
+        assert size in sizes[:i] or size <= reach
 
 
 def test_an_attached_call_that_runs_plain_takes_the_few_row_product_of_dart_plain_steps(tmp_path, monkeypatch):
