@@ -9,7 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from dart_bench import replay
 from dart_bench.replay import ReplayHead
-from dart_core import DartConfig, DartHead
+from dart_core import DartConfig, DartHead, TreeConfig
 
 PAD = 0  # the tests' padding id
 
@@ -66,13 +66,17 @@ def random_head(target, draft_length: int = 4, draft_vocab: int | None = None, s
     return replay.random_head(config, std=0.3, seed=seed, d2t=torch.arange(draft_vocab) if draft_vocab < vocab else None)
 
 
+# a fixed tree for exactness tests that need whole blocks accepted from the first step: the speed rule starts small
+# and chooses by this CPU's speed, so those tests never rest on its choice
+BLOCKS = TreeConfig()
+
+
 def attach(model, head):
     """`dart_hf.enable(model, head)` with the head's own tree fixed: every call decodes with DART whatever this
     machine's speed (the tests of exactness never rest on the controller's verdict, which depends on the CPU)."""
     import dart_hf
-    from dart_core import TreeConfig
 
-    return dart_hf.enable(model, head, tree_config=head.tree_config or TreeConfig())
+    return dart_hf.enable(model, head, tree_config=head.tree_config or BLOCKS)
 
 
 def oracle_head(target, reference: torch.Tensor, draft_length: int = 4, wrong_every: int = 0) -> ReplayHead:

@@ -10,11 +10,10 @@ from transformers.generation.streamers import BaseStreamer
 
 import dart_hf
 from dart_core import TreeConfig
-from helpers.hf_models import oracle_head, random_head, tiny_target
+from helpers.hf_models import BLOCKS, oracle_head, random_head, tiny_target
 from helpers.sampling_checks import SMALL_TREE, chi_square_pvalue, exact_two_token_distribution, lossy_verify
 
 PROMPTS = [torch.tensor([[5, 17, 33, 2, 9, 41, 12]]), torch.tensor([[60, 61, 62]])]
-BLOCKS = TreeConfig()  # a fixed tree: whole blocks accepted from the first step (the speed rule starts at 1 node)
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])

@@ -8,8 +8,8 @@ from transformers import (LogitsProcessor, LogitsProcessorList, MinNewTokensLeng
 
 import dart_hf
 import dart_hf.processors
-from dart_core import TreeConfig
-from helpers.hf_models import PAD, left_padded, oracle_head, random_head, random_prompts, tiny_target, unpadded
+from helpers.hf_models import (BLOCKS, PAD, left_padded, oracle_head, random_head, random_prompts, tiny_target,
+                               unpadded)
 from helpers.sampling_checks import SMALL_TREE, chi_square_pvalue, exact_two_token_distribution, lossy_verify
 
 
@@ -21,8 +21,8 @@ def test_every_row_equals_plain_generate_on_the_same_padded_batch(lengths):
     plain = model.generate(ids, **kwargs)
     assert torch.equal(model.generate(ids, dart_head=random_head(model), **kwargs), plain)
     references = [unpadded(plain[b], mask[b]) for b in range(len(lengths))]
-    out = model.generate(ids, dart_head=oracle_head(model, references, wrong_every=5), dart_tree_config=TreeConfig(),
-                         **kwargs)  # a fixed tree: whole blocks from the first step (the speed rule starts at 1 node)
+    out = model.generate(ids, dart_head=oracle_head(model, references, wrong_every=5), dart_tree_config=BLOCKS,
+                         **kwargs)
     assert torch.equal(out, plain)
     stats = model.dart_stats
     assert set(stats.tau_by_row()) == set(range(len(lengths))) and min(stats.tau_by_row().values()) > 2.0
