@@ -57,6 +57,10 @@ MIN_TAU_WEIGHT = 3.0  # a tree size is chosen only once tau there rests on 3 seq
 WINDOW = 4  # DART steps a call makes in a regime before the estimates may send it plain there
 EXPLORE_EVERY = 8  # every 8th step of a regime tries a neighbouring tree size
 PLAIN_EVERY = 64  # every 64th step of a regime (attached heads) is a plain step, refreshing plain's cost
+# ... and, before that, every 8th (midway between explorations) while DART's expected gain there is below 1.25x: within
+# what a slow spell of a few steps makes of plain's first measured cost, so a verdict resting on that one figure is
+# checked against plain steps taken while the call runs
+REFRESH_EVERY, MARGINAL = 8, 1.25
 FIRST_PROBE_AFTER, MAX_PROBE_AFTER = 2, 64  # plain calls in a plain regime before DART is tried again (doubling)
 OUTLIER = 2.0  # a step time above twice its estimate counts as twice (`Mean.add_robust`)
 SHAPE_TOLERANCE = 1.3  # timed / predicted step ratios within 30% of each other: a calibrated cost's shape holds

@@ -7,7 +7,9 @@ How a call uses the speed rule (`CallPolicy`): each step takes the best tree R* 
 that every `EXPLORE_EVERY`-th step of a regime tries a neighbouring size (up and down in turn: a larger tree also
 measures tau above R*), and, for an attached head, a regime's first steps (until plain's cost there starts, as the
 median of `FIRST_PLAIN` timed plain steps) and every `PLAIN_EVERY`-th one are plain steps, which measure plain
-decoding there.
+decoding there; so is every `REFRESH_EVERY`-th of a regime's first `PLAIN_EVERY` steps in a process while DART's
+expected gain there is below `MARGINAL` (`remeasures_plain`), so that a verdict that could go either way follows plain's
+cost as the call finds it, not as a slow or fast spell at the regime's start made it.
 
 Falling back, for an attached head (`dart_hf.enable(model, head)`): once a call has made `WINDOW` DART steps in a
 regime, whenever the expected speedup there is below 1 and so is the rate of the call's last `WINDOW` steps, the call
@@ -26,8 +28,8 @@ import dataclasses
 from typing import Callable, Optional, Protocol, Union
 
 from dart_core.acceptance import tau_of
-from dart_core.speed import (EXPLORE_EVERY, MIN_PLAIN_WEIGHT, PLAIN_EVERY, WINDOW, Mode, SpeedController,
-                             regime_key, step_seconds_ok)
+from dart_core.speed import (EXPLORE_EVERY, MARGINAL, MIN_PLAIN_WEIGHT, PLAIN_EVERY, REFRESH_EVERY, WINDOW, Mode,
+                             SpeedController, regime_key, step_seconds_ok)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +102,16 @@ class FixedTree:
         pass
 
 
+def remeasures_plain(count: int, best: tuple[int, list[dict]]) -> bool:
+    """Whether the step after a regime's `count` steps re-measures plain decoding before `PLAIN_EVERY` does: every
+    `REFRESH_EVERY`-th step (midway between explorations) of a regime's first `PLAIN_EVERY` while the best tree's
+    expected speedup (`best`: `SpeedController.best`) is known and below `MARGINAL`."""
+    if count >= PLAIN_EVERY or count % REFRESH_EVERY != REFRESH_EVERY // 2 - 1:
+        return False
+    speedup = next(row for row in best[1] if row["remain_total"] == best[0])["speedup"]
+    return speedup is not None and speedup < MARGINAL
+
+
 class CallPolicy:
     """The speed rule's policy for one call: asks the controller for each step's tree and teaches it what the step
     cost and accepted. `controller`: a function that gives the controller, called when the call starts decoding
@@ -144,6 +156,8 @@ class CallPolicy:
                 if regime.plain.weight < MIN_PLAIN_WEIGHT or regime.count % PLAIN_EVERY == PLAIN_EVERY - 1:
                     return PLAIN  # measure plain decoding here (nothing rests on a prior alone)
             best = ctrl.best(key, self.sampled)
+            if self.may_go_plain and best is not None and remeasures_plain(regime.count, best):
+                return PLAIN  # plain's cost again: a marginal verdict must not rest on one slow spell
             if best is None:  # nothing timed here yet
                 return TreeStep(ctrl.start_size)
             size = best[0]

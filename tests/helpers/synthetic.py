@@ -29,8 +29,9 @@ def nodes(decision) -> int:
 class Machine:
     """Seconds of plain and DART steps, and the accepted path of each step (selection ranks), with noise."""
 
-    def __init__(self, plain_s=0.070, head_s=0.015, verify=None, noise=0.0, seed=0, depth_p=0.55):
+    def __init__(self, plain_s=0.070, head_s=0.015, verify=None, noise=0.0, seed=0, depth_p=0.55, spell=(0, 1.0)):
         self.plain_s, self.head_s, self.noise = plain_s, head_s, noise
+        self.spell_steps, self.spell = spell  # the first spell[0] plain steps take spell[1] times as long
         # a CPU-like forward: 2-4 tokens cost less than 1.5 tokens' worth, then it grows
         self.verify = verify or (lambda k: 0.060 + 0.004 * k)
         self.rng = random.Random(seed)
@@ -40,7 +41,9 @@ class Machine:
         return seconds * (self.rng.lognormvariate(0.0, self.noise) if self.noise else 1.0)
 
     def plain(self, batch: int) -> float:
-        return self._noisy(self.plain_s * (1 + 0.05 * (batch - 1)))  # more rows cost a plain step little
+        spell = self.spell if self.spell_steps > 0 else 1.0
+        self.spell_steps -= 1
+        return self._noisy(spell * self.plain_s * (1 + 0.05 * (batch - 1)))  # more rows cost a plain step little
 
     def step(self, size: int, batch: int) -> float:
         return self._noisy(self.head_s + self.verify(batch * (size + 1)))
