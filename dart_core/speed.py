@@ -57,10 +57,10 @@ MIN_TAU_WEIGHT = 3.0  # a tree size is chosen only once tau there rests on 3 seq
 WINDOW = 4  # DART steps a call makes in a regime before the estimates may send it plain there
 EXPLORE_EVERY = 8  # every 8th step of a regime tries a neighbouring tree size
 PLAIN_EVERY = 64  # every 64th step of a regime (attached heads) is a plain step, refreshing plain's cost
-# ... and, before that, every 8th (midway between explorations) while DART's expected gain there is below 1.25x: within
-# what a slow spell of a few steps makes of plain's first measured cost, so a verdict resting on that one figure is
-# checked against plain steps taken while the call runs
-REFRESH_EVERY, MARGINAL = 8, 1.25
+# ... and, before that, one in every `EXPLORE_EVERY` (midway between explorations) while DART's expected gain there is
+# below 1.25x: within what a slow spell of a few steps makes of plain's first measured cost, so a verdict resting on
+# that one figure is checked against plain steps taken while the call runs
+MARGINAL = 1.25
 FIRST_PROBE_AFTER, MAX_PROBE_AFTER = 2, 64  # plain calls in a plain regime before DART is tried again (doubling)
 OUTLIER = 2.0  # a step time above twice its estimate counts as twice (`Mean.add_robust`)
 SHAPE_TOLERANCE = 1.3  # timed / predicted step ratios within 30% of each other: a calibrated cost's shape holds
@@ -197,6 +197,12 @@ def choose_tree_size(tau: dict[int, float], step_s: dict[int, float], plain_s: O
     return best["remain_total"], rows
 
 
+def chosen_row(best: tuple[int, list[dict]]) -> dict:
+    """The row of the chosen size in `choose_tree_size`'s (R*, rows)."""
+    size, rows = best
+    return next(row for row in rows if row["remain_total"] == size)
+
+
 @dataclasses.dataclass
 class TreeChoice:
     """The tree size the controller would choose now for one regime: `remain_total`, its `tree_config`, the
@@ -218,7 +224,7 @@ class TreeChoice:
 
     def summary(self) -> str:
         """One line: the choice and the numbers behind it."""
-        row = next(r for r in self.rows if r["remain_total"] == self.remain_total)
+        row = chosen_row((self.remain_total, self.rows))
         plain = "plain step not measured yet" if self.plain_ms is None else f"one plain step {self.plain_ms:.1f} ms"
         expected = "" if self.expected_speedup is None else f", expected {self.expected_speedup:.2f}x over plain"
         return (f"tree of {self.remain_total} draft nodes{expected} ({plain}; a step with this tree "
@@ -377,7 +383,7 @@ class SpeedController:
         best = self.best(key, sampled, anywhere)
         if best is None:
             return None
-        return next(row for row in best[1] if row["remain_total"] == best[0])["speedup"]
+        return chosen_row(best)["speedup"]
 
     def cold(self, key: tuple[int, int], size: int) -> bool:
         """Whether this is the first step of `size` (0: plain) timed in regime `key` in this process: its time
@@ -453,7 +459,7 @@ class SpeedController:
         plain = self.plain_s(key)
         if best is None or plain is None:
             return f"DART is not expected to beat plain decoding on this machine ({where}); calls here run plain"
-        row = next(r for r in best[1] if r["remain_total"] == best[0])
+        row = chosen_row(best)
         return (f"DART does not beat plain decoding on this machine ({where}): its best tree, {best[0]} draft "
                 f"nodes, is estimated at {row['tau']:.2f} tokens per {row['step_ms']:.1f} ms step against "
                 f"{plain * 1e3:.1f} ms per plain token ({row['speedup']:.2f}x); calls here run plain, "
@@ -486,6 +492,5 @@ class SpeedController:
                 return None
             size, rows = best
             plain = self.plain_s(key)
-            return TreeChoice(size, dataclasses.replace(base, remain_total=size),
-                              next(r for r in rows if r["remain_total"] == size)["speedup"], rows, key,
-                              None if plain is None else plain * 1e3, self.cost)
+            return TreeChoice(size, dataclasses.replace(base, remain_total=size), chosen_row(best)["speedup"], rows,
+                              key, None if plain is None else plain * 1e3, self.cost)

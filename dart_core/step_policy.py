@@ -7,7 +7,7 @@ How a call uses the speed rule (`CallPolicy`): each step takes the best tree R* 
 that every `EXPLORE_EVERY`-th step of a regime tries a neighbouring size (up and down in turn: a larger tree also
 measures tau above R*), and, for an attached head, a regime's first steps (until plain's cost there starts, as the
 median of `FIRST_PLAIN` timed plain steps) and every `PLAIN_EVERY`-th one are plain steps, which measure plain
-decoding there; so is every `REFRESH_EVERY`-th of a regime's first `PLAIN_EVERY` steps in a process while DART's
+decoding there; so is one in every `EXPLORE_EVERY` of a regime's first `PLAIN_EVERY` steps in a process while DART's
 expected gain there is below `MARGINAL` (`remeasures_plain`), so that a verdict that could go either way follows plain's
 cost as the call finds it, not as a slow or fast spell at the regime's start made it.
 
@@ -28,8 +28,8 @@ import dataclasses
 from typing import Callable, Optional, Protocol, Union
 
 from dart_core.acceptance import tau_of
-from dart_core.speed import (EXPLORE_EVERY, MARGINAL, MIN_PLAIN_WEIGHT, PLAIN_EVERY, REFRESH_EVERY, WINDOW, Mode,
-                             SpeedController, regime_key, step_seconds_ok)
+from dart_core.speed import (EXPLORE_EVERY, MARGINAL, MIN_PLAIN_WEIGHT, PLAIN_EVERY, WINDOW, Mode, SpeedController,
+                             chosen_row, regime_key, step_seconds_ok)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,12 +103,12 @@ class FixedTree:
 
 
 def remeasures_plain(count: int, best: tuple[int, list[dict]]) -> bool:
-    """Whether the step after a regime's `count` steps re-measures plain decoding before `PLAIN_EVERY` does: every
-    `REFRESH_EVERY`-th step (midway between explorations) of a regime's first `PLAIN_EVERY` while the best tree's
+    """Whether the step after a regime's `count` steps re-measures plain decoding before `PLAIN_EVERY` does: one in
+    every `EXPLORE_EVERY` (midway between explorations) of a regime's first `PLAIN_EVERY` while the best tree's
     expected speedup (`best`: `SpeedController.best`) is known and below `MARGINAL`."""
-    if count >= PLAIN_EVERY or count % REFRESH_EVERY != REFRESH_EVERY // 2 - 1:
+    if count >= PLAIN_EVERY or count % EXPLORE_EVERY != EXPLORE_EVERY // 2 - 1:
         return False
-    speedup = next(row for row in best[1] if row["remain_total"] == best[0])["speedup"]
+    speedup = chosen_row(best)["speedup"]
     return speedup is not None and speedup < MARGINAL
 
 
