@@ -36,7 +36,6 @@ home, a path under a regular file) never fails a call: the value lives in memory
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -62,7 +61,7 @@ from dart_runtime.timing import interleaved_seconds, now
 from dart_hf.compat import attention_implementation
 from dart_hf.loop import DartStats, dart_decoding, is_enabled, last_stats
 from dart_hf.target import (attention_layout, keep_accepted_path, plan_for, sliding_dropped, tree_attention_mask,
-                            tree_forward, tree_forwards, tree_settings, whole_sliding_layers)
+                            tree_forward, tree_settings, verify_kernels, whole_sliding_layers)
 
 LATENCY_GRID = (1, 2, 4, 8, 16, 32, 64)
 CANDIDATES = (1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 60)
@@ -120,8 +119,8 @@ def measure_latency(model, sizes: Iterable[int], layer_ids: Sequence[int] = (), 
     runs[0] = plain  # the plain 1-token forward, with the model's own kernels
     bar = tqdm(total=(repeats + 1) * len(runs), desc="calibrate: latency", unit="fwd", disable=_disable(progress))
 
-    def kernels(k: int):  # entered outside the clock, as the loop enters it once per call
-        return tree_forwards(model) if k else contextlib.nullcontext()
+    def kernels(k: int):  # the loop's kernels for a forward of k rows (plain: 0), entered outside the clock
+        return verify_kernels(model, k)
 
     def compact(*_) -> None:  # the loop's compaction, keeping none of the block
         keep_accepted_path(cache, context_length, no_nodes)

@@ -34,7 +34,7 @@ from dart_hf.stopping import Stopper, pad_token
 from dart_hf.target import (AttentionLayout, TargetPlan, attention_layout, check_architecture, check_attention,
                             check_cache, check_ngram_fits, check_tree_fits, crop_cache, hidden_state_request,
                             keep_accepted_path, plan_for, prompt_positions, sliding_dropped, tapped_hidden_states,
-                            tree_attention_mask, tree_forward, tree_forwards, tree_settings, whole_sliding_layers)
+                            tree_attention_mask, tree_forward, tree_settings, verify_kernels, whole_sliding_layers)
 
 
 @dataclasses.dataclass
@@ -384,13 +384,12 @@ def _decode(call: Call):
                                           run.prepared.positions, run.prepared.past, carried, run.context_len,
                                           run.stats)
         load_kernel_choices()  # what earlier processes measured here (once per process)
-        with tree_forwards(call.model), few_row_linears(head):
-            while (producing := run.emit(batch, step, head_cache)) is not None:
-                batch, step = producing
-                clock = PhaseClock(batch.contexts.device, run.stats.sync_timing)
-                decision = run.decide(batch, clock)
-                trees, ancestors, pending, decision = run.draft(decision, batch, step, head_cache, clock)
-                step = run.verify(decision, trees, ancestors, batch, pending, clock)
+        while (producing := run.emit(batch, step, head_cache)) is not None:
+            batch, step = producing
+            clock = PhaseClock(batch.contexts.device, run.stats.sync_timing)
+            decision = run.decide(batch, clock)
+            trees, ancestors, pending, decision = run.draft(decision, batch, step, head_cache, clock)
+            step = run.verify(decision, trees, ancestors, batch, pending, clock)
         output = run.finish(step, head_cache)
     run.stats.total_time = now() - t_start
     save_kernel_choices()  # what this call measured, for later processes on this machine
@@ -846,8 +845,8 @@ def draft(head: DartHead, search, step: Step, head_cache, batch: Batch, tree_con
     the tree search (`TreeSearch`; the drafter interface, docs/DESIGN.md §1.2) with the rows' context paths
     `proposals` where given -> (trees, ancestors [B, N, N]); phases "head" and "tree" on `clock`."""
     rows = step.head_rows
-    candidates = head.draft(rows.aux, rows.ids, rows.lengths, head_cache, tree_config,
-                            cuda_graph=cuda_graph)
+    with few_row_linears(head):
+        candidates = head.draft(rows.aux, rows.ids, rows.lengths, head_cache, tree_config, cuda_graph=cuda_graph)
     clock.mark("head")
     trees, ancestors = search(candidates, batch.contexts, () if proposals is None else proposals.tensors())
     clock.mark("tree")
@@ -894,8 +893,9 @@ def verify_step(verifier: _Verifier, trees: DraftTreeBatch, ancestors: torch.Ten
         mask = tree_attention_mask(ancestors, batch.columns, dtype, trees.depths, verifier.layout,
                                    sliding_dropped(verifier.cache, past))
     clock.mark("mask")
-    out = tree_forward(verifier.model, trees.tokens, batch.root_positions[:, None] + trees.depths, mask, verifier.cache,
-                       verifier.plan.layer_ids)
+    with verify_kernels(verifier.model, trees.tokens.numel()):
+        out = tree_forward(verifier.model, trees.tokens, batch.root_positions[:, None] + trees.depths, mask,
+                           verifier.cache, verifier.plan.layer_ids)
     clock.mark("target")
     logits = out.logits.float()  # [B, N, V]
     paths = verifier.accept(trees, logits, ancestors, sequences, batch.rows)

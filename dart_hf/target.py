@@ -342,6 +342,13 @@ def tree_forwards(model) -> Iterator[None]:
         yield
 
 
+def verify_kernels(model, rows: int) -> contextlib.AbstractContextManager:
+    """The kernels of a verify forward over `rows` rows (the batch's tree nodes): `tree_forwards(model)` for two or
+    more, the model's own for one (a batch-of-one plain step computes exactly as a plain `generate()` step, with no
+    dispatch per layer)."""
+    return tree_forwards(model) if rows > 1 else contextlib.nullcontext()
+
+
 # ---- grouped-query attention without copies of the keys and values ------------------------------------------------
 SDPA_EXTRAS = ("position_bias", "softcap", "cache", "s_aux")  # what sdpa does beyond plain attention: left to it
 # inside `grouped_attention`: [(mask, its version counter, G, grouped mask)] of the last mask seen, so that the layers

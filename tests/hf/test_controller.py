@@ -145,3 +145,30 @@ def test_an_attached_call_that_runs_plain_takes_the_few_row_product_of_dart_plai
         warnings.simplefilter("ignore", DartFallbackWarning)
         one = attached.generate(batch[:1], **dict(kwargs, attention_mask=kwargs["attention_mask"][:1]))  # one-row steps
     assert attached.dart_stats is None and torch.equal(one, plain[:1]) and rows == []
+
+
+@pytest.mark.parametrize("batch_size", [1, 2])
+def test_a_single_sequences_plain_step_takes_the_models_own_kernels(batch_size):
+    """DART's verify kernels (`tree_forwards`: the few-row product, grouped attention) serve the forwards over two or
+    more rows; a batch-of-one plain step is one row, computed as plain generate() computes it, with no dispatch per
+    layer."""
+    import dart_runtime.matmul as matmul
+    from dart_hf import target as target_module
+    from dart_hf.loop import dart_decoding
+
+    model = tiny_target()
+    batch = torch.tensor([[5, 17, 33, 2, 9, 41, 12], [0, 0, 8, 3, 3, 60, 1]])[:batch_size]
+    kwargs = dict(attention_mask=(batch > 0).long(), max_new_tokens=16, do_sample=False, pad_token_id=0)
+    plain = model.generate(batch, **kwargs)
+    policy = RandomSizes(0, sizes=(0, 0, 3))
+    seen = []  # per target forward: (its rows, whether the verify kernels were on)
+    layer = model.model.layers[0].mlp.down_proj
+    layer.register_forward_pre_hook(lambda module, args: seen.append(
+        (args[0].numel() // args[0].shape[-1], matmul._PRODUCT.get() is not None
+         and target_module._LAST_GROUPED_MASK.get() is not None)))
+    out = model.generate(batch, **kwargs, custom_generate=dart_decoding,
+                         dart_head=oracle_head(model, plain[0], wrong_every=3), dart_step_policy=policy)
+    assert torch.equal(out, plain)
+    steps = seen[1:]  # after the prefill
+    assert {rows for rows, _ in steps} >= {batch_size, 4 * batch_size}  # plain steps and tree steps ran
+    assert all(on == (rows > 1) for rows, on in steps)
