@@ -119,9 +119,6 @@ def measure_latency(model, sizes: Iterable[int], layer_ids: Sequence[int] = (), 
     runs[0] = plain  # the plain 1-token forward, with the model's own kernels
     bar = tqdm(total=(repeats + 1) * len(runs), desc="calibrate: latency", unit="fwd", disable=_disable(progress))
 
-    def kernels(k: int):  # the loop's kernels for a forward of k rows (plain: 0), entered outside the clock
-        return verify_kernels(model, k)
-
     def compact(*_) -> None:  # the loop's compaction, keeping none of the block
         keep_accepted_path(cache, context_length, no_nodes)
         bar.update()
@@ -129,8 +126,10 @@ def measure_latency(model, sizes: Iterable[int], layer_ids: Sequence[int] = (), 
     try:
         with whole_sliding_layers(cache):  # as in the loop: sliding-window layers keep the blocks until compaction
             model(input_ids=context, past_key_values=cache, use_cache=True)
-            # round robin, so that a slow spell of the machine hits every size alike; the first round is a warm-up
-            times = interleaved_seconds(runs, repeats, warmup=1, sync=device, around=kernels, after=compact)
+            # round robin, so that a slow spell of the machine hits every size alike; the first round is a warm-up;
+            # each forward of k rows (plain: 0) in the loop's kernels for it, entered outside the clock
+            times = interleaved_seconds(runs, repeats, warmup=1, sync=device,
+                                        around=functools.partial(verify_kernels, model), after=compact)
     finally:
         bar.close()
     plain_s = statistics.median(times.pop(0))
