@@ -14,6 +14,7 @@ accepted tokens and the bonus are then the chain of chosen tokens itself, so sam
 * `verify_tree` - the general entry point: HF-style logits processors applied per node with that node's exact
   prefix, lazily at the nodes the walk visits (all rows a depth at a time: a `BatchedProcessor` takes the rows'
   nodes of one depth together).
+* `choose_at_roots` - `verify_tree`'s choice for trees of a lone root (a plain step), without its input checks.
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ class BatchedProcessor:
     length_key: Optional[Callable[[int], Hashable]] = None
 
 
-__all__ = ["VerifyResult", "accept_chosen", "verify_greedy", "verify_sampled", "verify_tree", "LogitsProcessor",
-           "BatchedProcessor"]
+__all__ = ["VerifyResult", "accept_chosen", "verify_greedy", "verify_sampled", "verify_tree", "choose_at_roots",
+           "LogitsProcessor", "BatchedProcessor"]
 
 
 @dataclasses.dataclass
@@ -360,6 +361,20 @@ def verify_tree(
         accepted[b, : len(path)] = torch.tensor(path, dtype=torch.long)
     return VerifyResult(accepted.to(device), torch.tensor([len(x) - 1 for x in nodes], dtype=torch.long, device=device),
                         torch.tensor(bonus, dtype=torch.long, device=device))
+
+
+def choose_at_roots(logits: torch.Tensor, contexts: Sequence[torch.Tensor], process: Optional["BatchedProcessor"],
+                    do_sample: bool = False, generator: Optional[torch.Generator] = None) -> list[int]:
+    """The token `verify_tree` chooses after each row's lone root (trees of one node: nothing to accept, the bonus
+    alone) -> [B] tokens, without its input checks: logits [B, V] of the roots; contexts[b] [L_b] row b's sequence up
+    to and including its root; `process` a `BatchedProcessor`, called as the walk's first depth calls it (one call per
+    prefix length or `length_key`), or None (the raw logits). The choice a plain generate() step makes."""
+    rows = len(contexts)
+    if process is None:
+        process = BatchedProcessor(lambda _rows, _ids, scores: scores, length_key=lambda _length: None)
+    chosen = _choose_at([[(0, [])] for _ in range(rows)], [[0] for _ in range(rows)] if do_sample else None,
+                        [{} for _ in range(rows)], list(contexts), logits[:, None], process, do_sample, generator)
+    return [tokens[0] for tokens in chosen]
 
 
 def _one_row_at_a_time(processor) -> Callable:

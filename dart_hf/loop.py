@@ -16,6 +16,7 @@ import torch
 
 from dart_core import (DartHead, DraftTreeBatch, Drafter, OutputStore, TreeConfig, draft_context_length, verify_greedy,
                        verify_tree)
+from dart_core.verify import BatchedProcessor, choose_at_roots
 from dart_core.acceptance import accepted_within, tau_of
 from dart_runtime.cuda_graph import cached_graph
 from dart_core.context import SOURCE_HEAD, SOURCE_NGRAM, SOURCE_STORE, ContextDrafter, ContextProposals
@@ -671,16 +672,24 @@ class _Verifier:
         caller's row rows[b] and `sequences` holds every caller's row's tokens [1, L_r], ending with the roots (None
         when `needs_prefixes` is false). Greedy without processors runs on the device without a host
         synchronisation."""
-        if not self.needs_prefixes:
-            if trees.num_nodes > 1:
-                return Paths(*self.greedy_paths(trees.tensors(), logits, ancestors))
-            bonus = logits[:, 0].argmax(dim=-1)  # [B] a lone root: generate()'s argmax
+        if trees.num_nodes == 1:  # lone roots: a plain generate() step's choice, no walk
+            if not self.needs_prefixes:
+                bonus = logits[:, 0].argmax(dim=-1)  # [B] generate()'s argmax
+            else:
+                bonus = torch.tensor(choose_at_roots(logits[:, 0], [sequences[row][0] for row in rows],
+                                                     self._process(sequences, rows), self.do_sample),
+                                     device=logits.device)
             b = bonus.shape[0]
             return Paths(bonus.new_zeros(b), bonus, bonus.new_zeros(b, 1), trees.tokens[:, :1], bonus.new_zeros(b, 0))
-        processors = None if self.processors is None else batch_processor(self.processors, sequences, rows, self.pad)
+        if not self.needs_prefixes:
+            return Paths(*self.greedy_paths(trees.tensors(), logits, ancestors))
         result = verify_tree(trees, logits, context_ids=[sequences[row][0] for row in rows],
-                             logits_processor=processors, do_sample=self.do_sample)
+                             logits_processor=self._process(sequences, rows), do_sample=self.do_sample)
         return Paths(*path_summary(trees, result))
+
+    def _process(self, sequences: list[torch.Tensor], rows: list[int]) -> Optional[BatchedProcessor]:
+        """The processors over tree rows `rows` of the caller's batch (`batch_processor`), or None without any."""
+        return None if self.processors is None else batch_processor(self.processors, sequences, rows, self.pad)
 
 
 @dataclasses.dataclass
@@ -910,8 +919,9 @@ def verify_step(verifier: _Verifier, trees: DraftTreeBatch, ancestors: torch.Ten
     new_tokens = [row[3 + 2 * d : 3 + 2 * d + a] + [row[-6]] for row, a in zip(host, accepted)]  # drafts, bonus
     k = max(accepted) + 1
     clock.mark("accept")
-    at_front = all(nodes == list(range(len(nodes))) for nodes in path_nodes)
-    keep_accepted_path(verifier.cache, past, paths.nodes[:, :k], at_front)
+    if trees.num_nodes > 1:  # a lone root's position is kept: nothing to drop
+        at_front = all(nodes == list(range(len(nodes))) for nodes in path_nodes)
+        keep_accepted_path(verifier.cache, past, paths.nodes[:, :k], at_front)
     clock.mark("compact")
     real = torch.arange(k, device=device) <= paths.accept_length[:, None]  # [B, k]
     new_ids = torch.cat((paths.tokens[:, 1:k], paths.tokens[:, :1]), dim=1).scatter(
@@ -922,8 +932,9 @@ def verify_step(verifier: _Verifier, trees: DraftTreeBatch, ancestors: torch.Ten
     batch.root_positions = batch.root_positions + counts
     batch.contexts = torch.cat((batch.contexts, new_ids), dim=1).gather(
         1, counts[:, None] + torch.arange(batch.contexts.shape[1], device=device))
-    aux = tapped_hidden_states(out, verifier.plan.layer_ids, trees.tokens)
-    aux = aux.gather(1, paths.nodes[:, :k, None].expand(-1, -1, aux.shape[-1]))  # [B, k, 3*Ht]
+    aux = tapped_hidden_states(out, verifier.plan.layer_ids, trees.tokens)  # [B, N, 3*Ht]
+    if trees.num_nodes > 1:
+        aux = aux.gather(1, paths.nodes[:, :k, None].expand(-1, -1, aux.shape[-1]))  # [B, k, 3*Ht] the paths' rows
     step = Step(new_tokens, new_ids, paths.nodes[:, :k], logits, pending.head_rows.append(aux, new_ids, counts))
     clock.mark("next")
     return StepOutcome(step, batch.rows, accepted, ranks, [row[len(row) - len(SOURCE_COUNTS):] for row in host],

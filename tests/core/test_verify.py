@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from dart_core.tree import DraftTree, DraftTreeBatch
-from dart_core.verify import BatchedProcessor, VerifyResult, accept_chosen, verify_greedy, verify_sampled, verify_tree
+from dart_core.verify import (BatchedProcessor, VerifyResult, accept_chosen, choose_at_roots, verify_greedy,
+                              verify_sampled, verify_tree)
 from helpers.sampling_checks import chi_square_pvalue
 
 # ------------------------------------------------------------------------------------------------------ helpers
@@ -378,6 +379,58 @@ def test_a_length_key_merges_prefixes_of_different_lengths_into_one_call() -> No
     assert merged[0] == [[7, 7, 1, 2], [8, 1, 2, 3]]  # the shorter prefix padded with its own first token
     wrong = verify_tree(trees, logits, contexts, BatchedProcessor(processor(blind), length_key=lambda n: ()))
     assert not torch.equal(wrong.bonus_token, reference.bonus_token)
+
+
+def test_the_roots_choice_is_plain_decodings_and_verify_trees() -> None:
+    """`choose_at_roots` (a plain step's choice) against the argmax of each row's processed root scores with its own
+    prefix, and against `verify_tree` on one-node trees, over ragged prefixes with and without a `length_key`; the
+    control: the raw argmax, which the prefix-dependent penalty changes."""
+    rng = random.Random(5)
+    vocab = 6
+    changed = 0
+    for _ in range(80):
+        rows = rng.randint(1, 4)
+        contexts = [torch.tensor([rng.randrange(vocab) for _ in range(rng.randint(1, 5))]) for _ in range(rows)]
+        logits = torch.randn(rows, vocab)
+        expected = [first_argmax(rep_penalty(c[None], logits[b : b + 1].clone())[0].tolist())
+                    for b, c in enumerate(contexts)]
+        changed += expected != logits.argmax(-1).tolist()
+        trees = DraftTreeBatch.stack([make_tree([int(c[-1])], [-1]) for c in contexts])
+        for process in (BatchedProcessor(_one_row_at_a_time_fn(rep_penalty)),
+                        BatchedProcessor(_one_row_at_a_time_fn(rep_penalty), length_key=lambda n: n % 2)):
+            got = choose_at_roots(logits, contexts, process)
+            assert got == expected
+            assert got == verify_tree(trees, logits[:, None], contexts, process).bonus_token.tolist()
+        assert choose_at_roots(logits, contexts, None) == logits.argmax(-1).tolist()
+    assert changed > 10  # the prefixes matter
+
+
+def _one_row_at_a_time_fn(processor):
+    """A `BatchedProcessor` function calling a [1, T] / [1, V] processor once per row of its (left-padded) batch: a
+    row's padding is its own first token, which the penalty reads as present already."""
+    return lambda rows, ids, scores: torch.cat([processor(ids[j : j + 1], scores[j : j + 1])
+                                                for j in range(len(rows))])
+
+
+@pytest.mark.parametrize("processor", [None, rep_penalty], ids=["raw", "rep_penalty"])
+def test_the_roots_draw_is_verify_trees_draw(processor) -> None:
+    """Sampling at lone roots: the draw `verify_tree` makes on one-node trees, from one generator state (so the same
+    distribution, that of the processed scores: `test_sampling_temperature_top_k_first_token`); the control, another
+    seed, draws differently."""
+    rows = 64
+    contexts = [torch.tensor([r % VS, (r * 7) % VS]) for r in range(rows)]
+    logits = torch.randn(rows, VS, generator=torch.Generator().manual_seed(1))
+    trees = DraftTreeBatch.stack([make_tree([int(c[-1])], [-1]) for c in contexts])
+    process = None if processor is None else BatchedProcessor(_one_row_at_a_time_fn(processor))
+
+    def draw(seed: int) -> list[int]:
+        return choose_at_roots(logits, contexts, process, do_sample=True,
+                               generator=torch.Generator().manual_seed(seed))
+
+    tree_draw = verify_tree(trees, logits[:, None], contexts, process or (lambda ids, s: s), do_sample=True,
+                            generator=torch.Generator().manual_seed(9)).bonus_token.tolist()
+    assert draw(9) == tree_draw
+    assert draw(10) != tree_draw
 
 
 # ------------------------------------------------------------------------------------- lossless sampling
