@@ -15,7 +15,8 @@ Scenarios (`--scenarios`), SmolLM2-135M-Instruct float32, greedy, held-out chat 
   `enable` attaches can copy its answers;
 - demo: `dart-spec demo`'s own measurement (plain and DART alternated after a streamed warm-up), in a fresh session.
 
-A DART session and a plain session alternate for each of `--repeats` repeats (plain: the same calls with
+Each of `--repeats` repeats runs a plain session and a DART session back to back, plain first in even repeats and
+DART first in odd ones, so that a machine whose speed drifts favours neither (plain: the same calls with
 `dart_head=False` on a model with nothing attached); a ratio is plain's seconds over DART's for the same calls (the
 demo: its tokens/s ratio), reported per timed call as the median and the minimum over the repeats.
 Every DART output must equal plain's. Configs (`--configs`): threads:load pairs, load `idle` or `busy` (one spinning
@@ -103,8 +104,9 @@ def compare(scenario: str, threads: int, busy: bool, repeat: int, new_tokens: in
     if scenario == "demo":
         got = run_session({**spec, "dart": True}, busy)
         return {"ratios": [got["ratio"]], "identical": got["identical"]}
-    plain = run_session({**spec, "dart": False}, busy)
-    dart = run_session({**spec, "dart": True}, busy)
+    first, second = (False, True) if repeat % 2 == 0 else (True, False)  # the order alternates over the repeats
+    runs = {kind: run_session({**spec, "dart": kind}, busy) for kind in (first, second)}
+    plain, dart = runs[False], runs[True]
     if scenario == "cannot_pay":
         ratios = [sum(plain["seconds"]) / sum(dart["seconds"])]
     else:
