@@ -349,8 +349,7 @@ def verify_tree(
                 "context_ids is the sequence up to and including the root"
             )
 
-    process = logits_processor if isinstance(logits_processor, BatchedProcessor) else \
-        BatchedProcessor(_one_row_at_a_time(logits_processor))
+    process = _batched(logits_processor)
     counts = trees.valid.sum(dim=1).tolist()
     tokens = [row[:n] for row, n in zip(trees.tokens.tolist(), counts)]
     parents = [row[:n] for row, n in zip(trees.parents.tolist(), counts)]
@@ -363,18 +362,28 @@ def verify_tree(
                         torch.tensor(bonus, dtype=torch.long, device=device))
 
 
-def choose_at_roots(logits: torch.Tensor, contexts: Sequence[torch.Tensor], process: Optional["BatchedProcessor"],
+def choose_at_roots(logits: torch.Tensor, contexts: Sequence[torch.Tensor],
+                    logits_processor: Optional[LogitsProcessor | Sequence[LogitsProcessor] | BatchedProcessor],
                     do_sample: bool = False, generator: Optional[torch.Generator] = None) -> list[int]:
     """The token `verify_tree` chooses after each row's lone root (trees of one node: nothing to accept, the bonus
     alone) -> [B] tokens, without its input checks: logits [B, V] of the roots; contexts[b] [L_b] row b's sequence up
-    to and including its root; `process` a `BatchedProcessor`, called as the walk's first depth calls it (one call per
-    prefix length or `length_key`), or None (the raw logits). The choice a plain generate() step makes."""
+    to and including its root; `logits_processor` as `verify_tree` takes it, called as the walk's first depth calls it
+    (one call per prefix length or `length_key`), or None (the raw logits). The choice a plain generate() step makes."""
     rows = len(contexts)
-    if process is None:
+    if logits_processor is None:
         process = BatchedProcessor(lambda _rows, _ids, scores: scores, length_key=lambda _length: None)
+    else:
+        process = _batched(logits_processor)
     chosen = _choose_at([[(0, [])] for _ in range(rows)], [[0] for _ in range(rows)] if do_sample else None,
                         [{} for _ in range(rows)], list(contexts), logits[:, None], process, do_sample, generator)
     return [tokens[0] for tokens in chosen]
+
+
+def _batched(logits_processor) -> "BatchedProcessor":
+    """`verify_tree`'s `logits_processor` (one, one per row, or a `BatchedProcessor`) as a `BatchedProcessor`."""
+    if isinstance(logits_processor, BatchedProcessor):
+        return logits_processor
+    return BatchedProcessor(_one_row_at_a_time(logits_processor))
 
 
 def _one_row_at_a_time(processor) -> Callable:

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from dart_core.tree import DraftTree, DraftTreeBatch
-from dart_core.verify import (BatchedProcessor, VerifyResult, accept_chosen, choose_at_roots, verify_greedy,
-                              verify_sampled, verify_tree)
+from dart_core.verify import (BatchedProcessor, VerifyResult, _one_row_at_a_time, accept_chosen, choose_at_roots,
+                              verify_greedy, verify_sampled, verify_tree)
 from helpers.sampling_checks import chi_square_pvalue
 
 # ------------------------------------------------------------------------------------------------------ helpers
@@ -396,20 +396,13 @@ def test_the_roots_choice_is_plain_decodings_and_verify_trees() -> None:
                     for b, c in enumerate(contexts)]
         changed += expected != logits.argmax(-1).tolist()
         trees = DraftTreeBatch.stack([make_tree([int(c[-1])], [-1]) for c in contexts])
-        for process in (BatchedProcessor(_one_row_at_a_time_fn(rep_penalty)),
-                        BatchedProcessor(_one_row_at_a_time_fn(rep_penalty), length_key=lambda n: n % 2)):
+        # the length key pads the shorter prefixes with their own first token, which the penalty reads as present
+        for process in (rep_penalty, BatchedProcessor(_one_row_at_a_time(rep_penalty), length_key=lambda n: n % 2)):
             got = choose_at_roots(logits, contexts, process)
             assert got == expected
             assert got == verify_tree(trees, logits[:, None], contexts, process).bonus_token.tolist()
         assert choose_at_roots(logits, contexts, None) == logits.argmax(-1).tolist()
     assert changed > 10  # the prefixes matter
-
-
-def _one_row_at_a_time_fn(processor):
-    """A `BatchedProcessor` function calling a [1, T] / [1, V] processor once per row of its (left-padded) batch: a
-    row's padding is its own first token, which the penalty reads as present already."""
-    return lambda rows, ids, scores: torch.cat([processor(ids[j : j + 1], scores[j : j + 1])
-                                                for j in range(len(rows))])
 
 
 @pytest.mark.parametrize("processor", [None, rep_penalty], ids=["raw", "rep_penalty"])
@@ -421,13 +414,12 @@ def test_the_roots_draw_is_verify_trees_draw(processor) -> None:
     contexts = [torch.tensor([r % VS, (r * 7) % VS]) for r in range(rows)]
     logits = torch.randn(rows, VS, generator=torch.Generator().manual_seed(1))
     trees = DraftTreeBatch.stack([make_tree([int(c[-1])], [-1]) for c in contexts])
-    process = None if processor is None else BatchedProcessor(_one_row_at_a_time_fn(processor))
 
     def draw(seed: int) -> list[int]:
-        return choose_at_roots(logits, contexts, process, do_sample=True,
+        return choose_at_roots(logits, contexts, processor, do_sample=True,
                                generator=torch.Generator().manual_seed(seed))
 
-    tree_draw = verify_tree(trees, logits[:, None], contexts, process or (lambda ids, s: s), do_sample=True,
+    tree_draw = verify_tree(trees, logits[:, None], contexts, processor or (lambda ids, s: s), do_sample=True,
                             generator=torch.Generator().manual_seed(9)).bonus_token.tolist()
     assert draw(9) == tree_draw
     assert draw(10) != tree_draw
