@@ -288,7 +288,7 @@ def test_device_walks_have_no_host_sync_on_meta_device() -> None:
 
 
 def test_greedy_processor_matches_prefix_reference() -> None:
-    rng = random.Random(99)
+    rng, gen = random.Random(99), torch.Generator().manual_seed(99)
     vocab = 5
     changed = 0
     total_accepted = 0
@@ -299,7 +299,7 @@ def test_greedy_processor_matches_prefix_reference() -> None:
             parents = [-1] + [rng.randint(0, j - 1) for j in range(1, n)]
             root = rng.randrange(vocab)
             ctx = [rng.randrange(vocab) for _ in range(rng.randint(0, 3))] + [root]
-            logit_rows = torch.randn(n, vocab) * 0.7 + 0.3
+            logit_rows = torch.randn(n, vocab, generator=gen) * 0.7 + 0.3
             tokens = [root]
             proc_argmax = []
             for i in range(n):  # tokens[i] is fixed before node i's prefix is needed (parents precede children)
@@ -385,13 +385,13 @@ def test_the_roots_choice_is_plain_decodings_and_verify_trees() -> None:
     """`choose_at_roots` (a plain step's choice) against the argmax of each row's processed root scores with its own
     prefix, and against `verify_tree` on one-node trees, over ragged prefixes with and without a `length_key`; the
     control: the raw argmax, which the prefix-dependent penalty changes."""
-    rng = random.Random(5)
+    rng, gen = random.Random(5), torch.Generator().manual_seed(5)
     vocab = 6
     changed = 0
     for _ in range(80):
         rows = rng.randint(1, 4)
         contexts = [torch.tensor([rng.randrange(vocab) for _ in range(rng.randint(1, 5))]) for _ in range(rows)]
-        logits = torch.randn(rows, vocab)
+        logits = torch.randn(rows, vocab, generator=gen)
         expected = [first_argmax(rep_penalty(c[None], logits[b : b + 1].clone())[0].tolist())
                     for b, c in enumerate(contexts)]
         changed += expected != logits.argmax(-1).tolist()
