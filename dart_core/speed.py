@@ -52,6 +52,10 @@ STEP_DECAY = 0.85  # step and plain-step seconds rest on about 1 / (1 - 0.85) = 
 TAU_DECAY = 0.98  # tau(R) rests on about 50 recent sequence-steps (acceptance varies with the text step by step)
 PRIOR_TAU_WEIGHT = 4.0  # the shipped acceptance curve counts as 4 sequence-steps: a call's own steps soon outweigh it
 FIRST_PLAIN = 3  # a regime's plain cost starts as the median of its first 3 timed plain steps (one may be an outlier)
+# ... unless they differ by more than `OUTLIER` times (a loaded machine's fast and slow spells): then it starts as the
+# mean of its first 8 but the slowest, which spans the spells as a call's steps do where a median of 3 could hold one
+# spell alone, and leaves out a lone outlier
+MAX_FIRST_PLAIN = 8
 MIN_PLAIN_WEIGHT = 1.0  # ... and DART steps start there once it has that median (or a timed plain call's)
 MIN_TAU_WEIGHT = 3.0  # a tree size is chosen only once tau there rests on 3 sequence-steps (or the prior)
 WINDOW = 4  # DART steps a call makes in a regime before the estimates may send it plain there
@@ -61,6 +65,10 @@ PLAIN_EVERY = 64  # every 64th step of a regime (attached heads) is a plain step
 # below 1.25x: within what a slow spell of a few steps makes of plain's first measured cost, so a verdict resting on
 # that one figure is checked against plain steps taken while the call runs
 MARGINAL = 1.25
+# A call finishes a regime plain once DART's expected and observed speedups there are both below 1.05x, not 1x: the
+# size chosen is the one whose noisy estimates came out best, so its expected speedup errs high, and near 1x a call
+# that keeps DART is as likely to lose as to gain. Later calls there run plain only below 1x (`WINDOW` steps decide).
+CALL_MARGIN = 1.05
 FIRST_PROBE_AFTER, MAX_PROBE_AFTER = 2, 64  # plain calls in a plain regime before DART is tried again (doubling)
 OUTLIER = 2.0  # a step time above twice its estimate counts as twice (`Mean.add_robust`)
 SHAPE_TOLERANCE = 1.3  # timed / predicted step ratios within 30% of each other: a calibrated cost's shape holds
@@ -195,6 +203,19 @@ def choose_tree_size(tau: dict[int, float], step_s: dict[int, float], plain_s: O
         raise ValueError("no tree size has both a tau and a step time")
     best = max(rows, key=lambda row: (row["tokens_per_s"], -row["remain_total"]))
     return best["remain_total"], rows
+
+
+def first_plain_s(times: list[float]) -> Optional[float]:
+    """A regime's first plain cost from its first timed plain steps `times` (seconds), or None while they are too few:
+    the median of `FIRST_PLAIN` that agree within `OUTLIER` times, else the mean of `MAX_FIRST_PLAIN` but the slowest."""
+    if len(times) < FIRST_PLAIN:
+        return None
+    if max(times) <= OUTLIER * min(times):
+        return statistics.median(times)
+    if len(times) < MAX_FIRST_PLAIN:
+        return None
+    kept = sorted(times)[:-1]
+    return sum(kept) / len(kept)
 
 
 def chosen_row(best: tuple[int, list[dict]]) -> dict:
@@ -400,11 +421,12 @@ class SpeedController:
             regime = self.regimes[key] if key in self.regimes else self.regime(*key)
             if (self.cold(key, 0) and not cold_ok) or not step_seconds_ok(seconds):
                 return
-            if regime.plain.weight == 0 and not cold_ok:  # the first single steps: their median (`FIRST_PLAIN`)
+            if regime.plain.weight == 0 and not cold_ok:  # the first single steps (`first_plain_s`)
                 regime.first_plain.append(seconds)
-                if len(regime.first_plain) < FIRST_PLAIN:
+                start = first_plain_s(regime.first_plain)
+                if start is None:
                     return
-                seconds = statistics.median(regime.first_plain)
+                seconds = start
                 regime.first_plain.clear()
             regime.plain.add_robust(seconds, STEP_DECAY)
             regime.updated, self.dirty = time.time(), True

@@ -5,21 +5,23 @@ step's outcome to `observe`.
 
 How a call uses the speed rule (`CallPolicy`): each step takes the best tree R* of its regime by the estimates, except
 that every `EXPLORE_EVERY`-th step of a regime tries a neighbouring size (up and down in turn: a larger tree also
-measures tau above R*), and, for an attached head, a regime's first steps (until plain's cost there starts, as the
-median of `FIRST_PLAIN` timed plain steps) and every `PLAIN_EVERY`-th one are plain steps, which measure plain
-decoding there; so is one in every `EXPLORE_EVERY` of a regime's first `PLAIN_EVERY` steps in a process while DART's
-expected gain there is below `MARGINAL` (`remeasures_plain`), so that a verdict that could go either way follows plain's
-cost as the call finds it, not as a slow or fast spell at the regime's start made it.
+measures tau above R*), and, for an attached head, a regime's first steps (until plain's cost there starts from its
+first timed plain steps, `dart_core.speed.first_plain_s`) and every `PLAIN_EVERY`-th one are plain steps, which measure
+plain decoding there; so is one in every `EXPLORE_EVERY` of a regime's first `PLAIN_EVERY` steps in a process while
+DART's expected gain there is below `MARGINAL` (`remeasures_plain`), so that a verdict that could go either way follows
+plain's cost as the call finds it, not as a slow or fast spell at the regime's start made it.
 
 Falling back, for an attached head (`dart_hf.enable(model, head)`): once a call has made `WINDOW` DART steps in a
 regime, whenever the expected speedup there is below 1 and so is the rate of the call's last `WINDOW` steps, the call
-finishes that regime plain (the roots alone, one token per sequence and step, exactly as plain decoding decides it),
-and later calls that start in the regime run as plain `generate()`, with one `DartFallbackWarning` per regime and the
-numbers. After `FIRST_PROBE_AFTER` plain calls (doubling after every probe that loses, up to `MAX_PROBE_AFTER`) a call
-in the regime runs DART again (a probe): steps timed on a loaded machine switch DART off only until then. The verdict
-follows the latest evidence of any call: a call with `dart_head=` (which decodes with DART whatever the estimates say;
-its tree sizes still adapt) or with a fixed tree that shows DART pays in a plain regime sends later attached calls
-there back to DART, and one that shows it loses sends them plain.
+finishes that regime plain (the roots alone, one token per sequence and step, exactly as plain decoding decides it), and
+later calls that start in the regime run as plain `generate()`, with one `DartFallbackWarning` per regime and the
+numbers. Where both speedups are below `CALL_MARGIN` but not both below 1, the call alone finishes the regime plain (a
+gain that small is within the estimates' error); later calls there run DART as before. After `FIRST_PROBE_AFTER` plain
+calls (doubling after every probe that loses, up to `MAX_PROBE_AFTER`) a call in the regime runs DART again (a probe):
+steps timed on a loaded machine switch DART off only until then. The verdict follows the latest evidence of any call: a
+call with `dart_head=` (which decodes with DART whatever the estimates say; its tree sizes still adapt) or with a fixed
+tree that shows DART pays in a plain regime sends later attached calls there back to DART, and one that shows it loses
+sends them plain.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ import dataclasses
 from typing import Callable, Optional, Protocol, Union
 
 from dart_core.acceptance import tau_of
-from dart_core.speed import (EXPLORE_EVERY, MARGINAL, MIN_PLAIN_WEIGHT, PLAIN_EVERY, WINDOW, Mode, SpeedController,
-                             chosen_row, regime_key, step_seconds_ok)
+from dart_core.speed import (CALL_MARGIN, EXPLORE_EVERY, MARGINAL, MIN_PLAIN_WEIGHT, PLAIN_EVERY, WINDOW, Mode,
+                             SpeedController, chosen_row, regime_key, step_seconds_ok)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,8 +196,10 @@ class CallPolicy:
             if expected is None or plain is None:
                 return
             # the verdict follows the latest evidence of any call: slower than plain both by the estimates and over
-            # this call's last WINDOW steps here, or not
+            # this call's last WINDOW steps here, or not; within CALL_MARGIN of plain, this call alone finishes plain
             observed = sum(t for t, _ in recent) / sum(s for _, s in recent) * plain
+            if self.may_go_plain and key not in self.plain_here and max(expected, observed) < CALL_MARGIN:
+                self.plain_here.add(key)
             if expected < 1.0 and observed < 1.0:
                 if not self.may_go_plain:  # a call that must decode with DART: later attached calls run plain here
                     if regime.mode == Mode.DART:
