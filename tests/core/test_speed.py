@@ -6,11 +6,11 @@ import pytest
 
 from dart_core import AcceptanceCurve, TreeConfig
 from dart_core.acceptance import accepted_within
-from dart_core.speed import (FIRST_PROBE_AFTER, MAX_PROBE_AFTER, WINDOW, Mean, SpeedController, choose_tree_size,
-                             fit_line, regime_key)
-from dart_core.step_policy import CallPolicy, FixedTree, TreeStep
-from helpers.synthetic import (SIZES, Machine, best_fixed, controller, curve_of, prior_from, rate_over_calls, run_call,
-                               verified)
+from dart_core.speed import (CALL_MARGIN, FIRST_PROBE_AFTER, MAX_PROBE_AFTER, WINDOW, Mean, SpeedController,
+                             choose_tree_size, fit_line, regime_key)
+from dart_core.step_policy import PLAIN, CallPolicy, FixedTree, TreeStep
+from helpers.synthetic import (SIZES, Machine, best_fixed, controller, curve_of, nodes, prior_from, rate_over_calls,
+                               run_call, verified)
 
 
 # ---- the rule ---------------------------------------------------------------------------------------------------
@@ -345,3 +345,31 @@ def test_a_regimes_first_tree_is_chosen_from_what_trees_cost_in_another():
     assert ctrl.step_s(eight, 1) == pytest.approx(0.080 + 0.002 + 0.010 * 8)
     assert ctrl.step_s(eight, 3) == pytest.approx(0.080 + 0.002 + 0.010 * 24)
     assert ctrl.best(eight, False)[0] == 1 and ctrl.best(one, False)[0] == 3
+
+
+@pytest.mark.parametrize("step_s, finishes_plain", [(0.15, True), (0.13, False)], ids=["1.02x", "1.18x"])
+def test_a_call_within_the_margin_of_plain_finishes_plain_and_later_calls_keep_dart(step_s, finishes_plain):
+    """A tree that yields 1.53 tokens per 0.15 s step against 0.1 s plain steps (1.02x by the estimates and by the
+    call's own steps): the call finishes the regime plain after `WINDOW` DART steps, the regime's verdict stays DART
+    (DART is not slower), and the next call tries DART again; the control, 0.13 s steps (1.18x), keeps DART."""
+    ctrl = SpeedController([3], None, AcceptanceCurve({3: 1.53}, steps=100, new_tokens=100, prompts=4), start_size=3)
+    key = regime_key(1, 100)
+    ctrl.regime(1, 100)
+    ctrl.observe_plain(key, 0.1, cold_ok=True)
+    accepts = iter([(i * 53) % 100 < 53 for i in range(1000)])  # 53 steps in 100 accept one node
+
+    def call(steps: int) -> list[int]:
+        policy = CallPolicy(lambda: ctrl, may_go_plain=True)
+        policy.begin(False)
+        sizes = []
+        for _ in range(steps):
+            decision = policy.decide(1, 100)
+            tree = decision != PLAIN
+            sizes.append(nodes(decision))
+            policy.observe(decision, verified(1, 100, step_s if tree else 0.1, [[0] if tree and next(accepts) else []]))
+        return sizes
+
+    sizes = call(40)
+    assert (max(i for i, s in enumerate(sizes) if s) < 2 * WINDOW) == finishes_plain
+    assert ctrl.regimes[key].mode == "dart" and CALL_MARGIN > 1.0
+    assert any(call(4))  # the next call drafts again
