@@ -56,7 +56,7 @@ FIRST_PLAIN = 3  # a regime's plain cost starts as the median of its first 3 tim
 # mean of its first 8 but the slowest, which spans the spells as a call's steps do where a median of 3 could hold one
 # spell alone, and leaves out a lone outlier
 MAX_FIRST_PLAIN = 8
-MIN_PLAIN_WEIGHT = 1.0  # ... and DART steps start there once it has that median (or a timed plain call's)
+MIN_PLAIN_WEIGHT = 1.0  # ... and DART steps start there once it has that first cost (or a timed plain call's)
 MIN_TAU_WEIGHT = 3.0  # a tree size is chosen only once tau there rests on 3 sequence-steps (or the prior)
 WINDOW = 4  # DART steps a call makes in a regime before the estimates may send it plain there
 EXPLORE_EVERY = 8  # every 8th step of a regime tries a neighbouring tree size
@@ -207,7 +207,8 @@ def choose_tree_size(tau: dict[int, float], step_s: dict[int, float], plain_s: O
 
 def first_plain_s(times: list[float]) -> Optional[float]:
     """A regime's first plain cost from its first timed plain steps `times` (seconds), or None while they are too few:
-    the median of `FIRST_PLAIN` that agree within `OUTLIER` times, else the mean of `MAX_FIRST_PLAIN` but the slowest."""
+    the median of `FIRST_PLAIN` that agree within `OUTLIER` times, else the mean of `MAX_FIRST_PLAIN` but the
+    slowest."""
     if len(times) < FIRST_PLAIN:
         return None
     if max(times) <= OUTLIER * min(times):
