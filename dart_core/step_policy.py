@@ -195,17 +195,17 @@ class CallPolicy:
             expected, plain = ctrl.expected(key, self.sampled), ctrl.plain_s(key)
             if expected is None or plain is None:
                 return
-            # the verdict follows the latest evidence of any call: slower than plain both by the estimates and over
-            # this call's last WINDOW steps here, or not; within CALL_MARGIN of plain, this call alone finishes plain
+            # this call finishes the regime plain below CALL_MARGIN by both measures; the verdict for later calls
+            # follows the latest evidence of any call: slower than plain both by the estimates and over this call's
+            # last WINDOW steps here, or not
             observed = sum(t for t, _ in recent) / sum(s for _, s in recent) * plain
-            if self.may_go_plain and key not in self.plain_here and max(expected, observed) < CALL_MARGIN:
+            if self.may_go_plain and max(expected, observed) < CALL_MARGIN:
                 self.plain_here.add(key)
             if expected < 1.0 and observed < 1.0:
                 if not self.may_go_plain:  # a call that must decode with DART: later attached calls run plain here
                     if regime.mode == Mode.DART:
                         ctrl.set_plain(key, probing=False)
                     return
-                self.plain_here.add(key)
                 if regime.mode == Mode.DART or self.probe:
                     ctrl.set_plain(key, probing=self.probe)
                 message = ctrl.fallback_message(key, self.sampled)
