@@ -16,7 +16,9 @@ def import_sglang():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # SGLang's Triton kernels run in Triton's interpreter on CPU
     if CPU_DIR not in sys.path:
         sys.path.insert(0, CPU_DIR)
-    return pytest.importorskip("sglang", reason="SGLang is not installed: see .ci/run for the CPU install")
+    # sglang.srt, not sglang: with tests/ on sys.path, the tests' own folder tests/sglang imports as a namespace
+    # package "sglang" where SGLang is not installed
+    return pytest.importorskip("sglang.srt", reason="SGLang is not installed: see .ci/run for the CPU install")
 
 
 EOS = 1  # the tiny target's EOS id (`hf_models.char_tokenizer`'s "<eos>")
