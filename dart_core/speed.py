@@ -69,6 +69,17 @@ MARGINAL = 1.25
 # size chosen is the one whose noisy estimates came out best, so its expected speedup errs high, and near 1x a call
 # that keeps DART is as likely to lose as to gain. Later calls there run plain only below 1x (`WINDOW` steps decide).
 CALL_MARGIN = 1.05
+# An attached call stops drafting once its DART steps have taken more than 2% longer than plain steps would have for
+# the tokens they yielded, measured against plain's cost of the tokens the call has produced (at least 64 a
+# sequence): whatever the estimates say, exploring and a tree that loses cost a call little more than that. A loss
+# within two standard deviations of what the steps' varying yields give by chance does not count (a tree that pays
+# on average can lose over a few steps), a step's deviation taken as at least half a plain step's cost (a yield that
+# varies by a token; a few steps that happened to yield alike show no spread).
+LOSS_BUDGET = 0.02
+BUDGET_TOKENS = 64
+LOSS_CHANCE_SD = 2.0
+MIN_STEP_SD = 0.5
+SPENT_CALLS = 2  # two calls in a row that spend their budget in a regime send later calls there plain (a probe: one)
 FIRST_PROBE_AFTER, MAX_PROBE_AFTER = 2, 64  # plain calls in a plain regime before DART is tried again (doubling)
 OUTLIER = 2.0  # a step time above twice its estimate counts as twice (`Mean.add_robust`)
 SHAPE_TOLERANCE = 1.3  # timed / predicted step ratios within 30% of each other: a calibrated cost's shape holds
@@ -175,6 +186,7 @@ class Regime:
     updated: float = 0.0  # wall-clock time of the last change (merging keeps the newer regime)
     count: int = 0  # steps seen here in this process (the exploration schedule; not saved)
     first_plain: list = dataclasses.field(default_factory=list)  # timed plain steps before `plain` has any (not saved)
+    spent_calls: int = 0  # calls in a row that spent their loss budget here (`CallLoss`; not saved)
 
     def timed(self) -> dict:
         """{tree size: Mean of its step seconds} for the sizes with a timed DART step here."""
@@ -217,6 +229,29 @@ def first_plain_s(times: list[float]) -> Optional[float]:
         return None
     kept = sorted(times)[:-1]
     return sum(kept) / len(kept)
+
+
+@dataclasses.dataclass
+class CallLoss:
+    """Seconds a call's DART steps took beyond what plain steps would have taken for the tokens they yielded."""
+
+    steps: int = 0
+    total: float = 0.0
+    squares: float = 0.0
+
+    def add(self, seconds: float) -> None:
+        self.steps, self.total, self.squares = self.steps + 1, self.total + seconds, self.squares + seconds * seconds
+
+    def spent(self, plain_s: float, tokens: float) -> bool:
+        """Whether the loss has spent the call's budget: above `LOSS_BUDGET` of plain's cost (`plain_s` a step) of
+        the call's `tokens` a sequence (at least `BUDGET_TOKENS`), and above `LOSS_CHANCE_SD` standard deviations
+        of a total of this many steps' losses (a step's at least `MIN_STEP_SD` plain steps)."""
+        if self.total <= LOSS_BUDGET * plain_s * max(tokens, BUDGET_TOKENS):
+            return False
+        spread = 0.0 if self.steps < 2 else \
+            max(self.squares - self.total * self.total / self.steps, 0.0) / (self.steps - 1)
+        variance = max(spread, (MIN_STEP_SD * plain_s) ** 2)
+        return self.total > LOSS_CHANCE_SD * math.sqrt(variance * self.steps)
 
 
 def chosen_row(best: tuple[int, list[dict]]) -> dict:
@@ -470,8 +505,9 @@ class SpeedController:
                 return Mode.PROBE, None
             return Mode.PLAIN, self.fallback_message(key, False)
 
-    def fallback_message(self, key: tuple[int, int], sampled: bool) -> Optional[str]:
-        """The one warning of a regime where DART runs plain, with the numbers (None once given)."""
+    def fallback_message(self, key: tuple[int, int], sampled: bool, lost: bool = False) -> Optional[str]:
+        """The one warning of a regime where DART runs plain, with the numbers (None once given; `lost`: calls that
+        spent their loss budget gave the verdict, `CallLoss`)."""
         if key in self.warned:
             return None
         self.warned.add(key)
@@ -480,9 +516,13 @@ class SpeedController:
         where = f"batch <= {key[0]}, context <= {key[1]} positions"
         later = max(regime.probe_after - regime.plain_calls, 1)
         plain = self.plain_s(key)
-        if best is None or plain is None:
+        row = None if best is None or plain is None else chosen_row(best)
+        if lost and (row is None or row["speedup"] >= 1.0):  # the verdict is the calls', not the estimates'
+            estimate = "" if row is None else f", though its estimates give {row['speedup']:.2f}x"
+            return (f"DART lost time against plain decoding in the latest calls on this machine ({where}){estimate}; "
+                    f"calls here run plain, and DART is tried again after {later} of them")
+        if row is None:
             return f"DART is not expected to beat plain decoding on this machine ({where}); calls here run plain"
-        row = chosen_row(best)
         return (f"DART does not beat plain decoding on this machine ({where}): its best tree, {best[0]} draft "
                 f"nodes, is estimated at {row['tau']:.2f} tokens per {row['step_ms']:.1f} ms step against "
                 f"{plain * 1e3:.1f} ms per plain token ({row['speedup']:.2f}x); calls here run plain, "

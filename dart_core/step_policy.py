@@ -16,12 +16,15 @@ regime, whenever the expected speedup there is below 1 and so is the rate of the
 finishes that regime plain (the roots alone, one token per sequence and step, exactly as plain decoding decides it), and
 later calls that start in the regime run as plain `generate()`, with one `DartFallbackWarning` per regime and the
 numbers. Where both speedups are below `CALL_MARGIN` but not both below 1, the call alone finishes the regime plain (a
-gain that small is within the estimates' error); later calls there run DART as before. After `FIRST_PROBE_AFTER` plain
-calls (doubling after every probe that loses, up to `MAX_PROBE_AFTER`) a call in the regime runs DART again (a probe):
-steps timed on a loaded machine switch DART off only until then. The verdict follows the latest evidence of any call: a
-call with `dart_head=` (which decodes with DART whatever the estimates say; its tree sizes still adapt) or with a fixed
-tree that shows DART pays in a plain regime sends later attached calls there back to DART, and one that shows it loses
-sends them plain.
+gain that small is within the estimates' error); later calls there run DART as before. Whatever the estimates say, a
+call stops drafting once its DART steps' loss against plain spends its budget (`dart_core.speed.CallLoss`); that call's
+steps there may give the verdict as above (its observed speedup standing for the expected one while the estimates have
+none), and so does a probe or the `SPENT_CALLS`-th call in a row that spends its budget in the regime. After
+`FIRST_PROBE_AFTER` plain calls (doubling after every probe that loses, up to `MAX_PROBE_AFTER`) a call in the regime
+runs DART again (a probe): steps timed on a loaded machine switch DART off only until then. The verdict follows the
+latest evidence of any call: a call with `dart_head=` (which decodes with DART whatever the estimates say; its tree
+sizes still adapt) or with a fixed tree that shows DART pays in a plain regime sends later attached calls there back to
+DART, and one that shows it loses sends them plain.
 """
 
 from __future__ import annotations
@@ -30,8 +33,8 @@ import dataclasses
 from typing import Callable, Optional, Protocol, Union
 
 from dart_core.acceptance import tau_of
-from dart_core.speed import (CALL_MARGIN, EXPLORE_EVERY, MARGINAL, MIN_PLAIN_WEIGHT, PLAIN_EVERY, WINDOW, Mode,
-                             SpeedController, chosen_row, regime_key, step_seconds_ok)
+from dart_core.speed import (CALL_MARGIN, EXPLORE_EVERY, MARGINAL, MIN_PLAIN_WEIGHT, PLAIN_EVERY, SPENT_CALLS,
+                             WINDOW, CallLoss, Mode, SpeedController, chosen_row, regime_key, step_seconds_ok)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +134,9 @@ class CallPolicy:
         self.dart_steps: dict[tuple[int, int], int] = {}  # DART steps of this call per regime
         self.recent: dict[tuple[int, int], list[tuple[float, float]]] = {}  # regime -> last WINDOW (tokens, seconds)
         self.plain_here: set[tuple[int, int]] = set()  # regimes this call finishes plain
+        self.tokens = 0.0  # tokens a sequence the call's steps have produced
+        self.loss = CallLoss()  # what its DART steps took beyond plain's cost of the tokens they yielded
+        self.spent = False  # the loss spent the call's budget: it finishes plain
         self.warnings: list[str] = []
 
     def begin(self, sampled: bool) -> None:
@@ -147,7 +153,7 @@ class CallPolicy:
             key = regime_key(batch_size, context_length)
             regime = ctrl.regime(batch_size, context_length)
             if self.may_go_plain:
-                if key in self.plain_here:
+                if self.spent or key in self.plain_here:
                     return PLAIN
                 if regime.mode == Mode.PLAIN and not self.probe:
                     self.plain_here.add(key)
@@ -182,34 +188,48 @@ class CallPolicy:
             regime.count += 1
             if not isinstance(decision, TreeStep):
                 ctrl.observe_plain(key, step.seconds)
+                self.tokens += 1.0
                 return
             ctrl.observe_step(key, decision.nodes, step.seconds, step.ranks, self.sampled)
             self.dart_steps[key] = self.dart_steps.get(key, 0) + 1
             tokens = tau_of(sum(map(len, step.ranks)), len(step.ranks))
+            self.tokens += tokens
+            plain = ctrl.plain_s(key)
             recent = self.recent.setdefault(key, [])
             if step_seconds_ok(step.seconds):  # a clock that stalled or stepped back times nothing
                 recent.append((tokens, step.seconds))
                 del recent[:-WINDOW]
-            if self.dart_steps[key] < WINDOW or not recent:
+                if plain is not None:
+                    self.loss.add(step.seconds - tokens * plain)
+            spent_here = False  # this step ends the call's drafting (its loss passed the budget)
+            if self.may_go_plain and plain is not None and not self.spent:
+                spent_here = self.spent = self.loss.spent(plain, self.tokens)
+            if spent_here:
+                regime.spent_calls += 1
+            elif self.dart_steps[key] == WINDOW:
+                regime.spent_calls = 0
+            if (self.dart_steps[key] < WINDOW and not spent_here) or not recent or plain is None:
                 return
-            expected, plain = ctrl.expected(key, self.sampled), ctrl.plain_s(key)
-            if expected is None or plain is None:
-                return
-            # this call finishes the regime plain below CALL_MARGIN by both measures; the verdict for later calls
-            # follows the latest evidence of any call: slower than plain both by the estimates and over this call's
-            # last WINDOW steps here, or not
             observed = sum(t for t, _ in recent) / sum(s for _, s in recent) * plain
-            if self.may_go_plain and max(expected, observed) < CALL_MARGIN:
-                self.plain_here.add(key)
-            if expected < 1.0 and observed < 1.0:
+            expected = ctrl.expected(key, self.sampled)
+            # the verdict for later calls follows the latest evidence of any call: slower than plain both by the
+            # estimates and over this call's last WINDOW steps here, or a call that spent its budget here when it
+            # is a probe, the SPENT_CALLS-th in a row, or before the estimates have a figure (`lost`); or not, where
+            # a call that spent its budget never shows DART pays
+            lost = spent_here and (expected is None or self.probe or regime.spent_calls >= SPENT_CALLS)
+            if expected is None and not lost:
+                return
+            if self.may_go_plain and expected is not None and max(expected, observed) < CALL_MARGIN:
+                self.plain_here.add(key)  # this call alone: below CALL_MARGIN by both measures
+            if lost or (expected < 1.0 and observed < 1.0):
                 if not self.may_go_plain:  # a call that must decode with DART: later attached calls run plain here
                     if regime.mode == Mode.DART:
                         ctrl.set_plain(key, probing=False)
                     return
                 if regime.mode == Mode.DART or self.probe:
                     ctrl.set_plain(key, probing=self.probe)
-                message = ctrl.fallback_message(key, self.sampled)
+                message = ctrl.fallback_message(key, self.sampled, lost=lost)
                 if message is not None:
                     self.warnings.append(message)
-            elif regime.mode == Mode.PLAIN:  # DART pays here again (a probe, or a call that decodes with DART anyway)
+            elif regime.mode == Mode.PLAIN and not spent_here:  # DART pays here again (a probe, or a dart_head= call)
                 ctrl.set_dart(key)

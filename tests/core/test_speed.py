@@ -6,8 +6,9 @@ import pytest
 
 from dart_core import AcceptanceCurve, TreeConfig
 from dart_core.acceptance import accepted_within
-from dart_core.speed import (CALL_MARGIN, FIRST_PROBE_AFTER, MAX_PROBE_AFTER, WINDOW, Mean, SpeedController,
-                             choose_tree_size, fit_line, regime_key)
+from dart_core import speed
+from dart_core.speed import (BUDGET_TOKENS, CALL_MARGIN, FIRST_PROBE_AFTER, LOSS_BUDGET, MAX_PROBE_AFTER, SPENT_CALLS,
+                             WINDOW, CallLoss, Mean, SpeedController, choose_tree_size, fit_line, regime_key)
 from dart_core.step_policy import PLAIN, CallPolicy, FixedTree, TreeStep
 from helpers.synthetic import (SIZES, Machine, best_fixed, controller, curve_of, nodes, prior_from, rate_over_calls,
                                run_call, verified)
@@ -306,11 +307,14 @@ def test_the_verdict_follows_the_latest_evidence_of_any_call(prior):
     machine, slow = Machine(), Machine(verify=lambda k: 0.200 + 0.010 * k)
     ctrl = controller(machine, cost=prior(machine))
     key = regime_key(1, 100)
-    run_call(ctrl, slow)  # an attached call on a loaded machine: plain from then on
+    for _ in range(SPENT_CALLS):  # attached calls on a loaded machine, each stopped by its loss budget: plain then
+        run_call(ctrl, slow)
+        if ctrl.regimes[key].mode == "plain":
+            break
     assert ctrl.regimes[key].mode == "plain" and run_call(ctrl, machine)[2] == []
     run_call(ctrl, machine, attached=False)  # dart_head= on the machine as it is now
     assert ctrl.regimes[key].mode == "dart"
-    assert run_call(ctrl, machine)[2].count(0) < 16  # the next attached call decodes with DART
+    assert all(run_call(ctrl, machine)[2][:WINDOW])  # the next attached call decodes with DART
     _, _, sizes = run_call(ctrl, slow, attached=False)
     assert 0 not in sizes and ctrl.regimes[key].mode == "plain"
     assert run_call(ctrl, slow)[2] == []  # the next attached call runs as plain generate()
@@ -373,3 +377,79 @@ def test_a_call_within_the_margin_of_plain_finishes_plain_and_later_calls_keep_d
     assert (max(i for i, s in enumerate(sizes) if s) < 2 * WINDOW) == finishes_plain
     assert ctrl.regimes[key].mode == "dart" and CALL_MARGIN > 1.0
     assert any(call(4))  # the next call drafts again
+
+
+def test_a_calls_loss_is_spent_past_its_budget_and_past_chance():
+    """Budget: 2% of plain's cost of the call's tokens, at least 64 (0.128 s at 0.1 s a plain step); a loss that
+    the steps' own spread explains within two standard deviations does not count."""
+    plain = 0.1
+    loss = CallLoss()
+    loss.add(0.1)
+    assert not loss.spent(plain, tokens=10)  # 0.1 s: within the budget
+    loss.add(0.1)
+    assert loss.spent(plain, tokens=10)  # 0.2 s, a plain step lost each time (a step's spread: half a plain step)
+    assert not loss.spent(plain, tokens=100)  # a call of 100 tokens: 0.2 s
+    one = CallLoss()
+    one.add(0.2)
+    assert one.spent(plain, tokens=10)
+    varying = CallLoss()
+    for seconds in (0.40, -0.30, 0.40, -0.30, 0.40):  # 0.6 s, about 0.8 standard deviations of such a total
+        varying.add(seconds)
+    assert not varying.spent(plain, tokens=10)
+
+
+@pytest.mark.parametrize("budget", [LOSS_BUDGET, 1e9], ids=["budget", "control"])
+def test_a_losing_tree_costs_each_call_its_budget_and_two_such_calls_send_the_regime_plain(budget, monkeypatch):
+    """A curve that claims 4 tokens a step where the text gives one, trees at twice plain's cost: each call stops
+    drafting once its DART steps have lost more than its budget (here after 2 steps, 0.2 s), before the estimates
+    catch up, and the second such call sends later calls plain with a warning that says so. The control, without a
+    budget, keeps drafting until its estimates give the verdict (`WINDOW` steps)."""
+    monkeypatch.setattr(speed, "LOSS_BUDGET", budget)
+    ctrl = SpeedController([3], None, AcceptanceCurve({3: 4.0}, steps=100, new_tokens=100, prompts=4), start_size=3)
+    key = regime_key(1, 100)
+    ctrl.regime(1, 100)
+    ctrl.observe_plain(key, 0.1, cold_ok=True)
+
+    def call() -> tuple[float, list[int], list[str]]:
+        policy = CallPolicy(lambda: ctrl, may_go_plain=True)
+        policy.begin(False)
+        seconds, sizes = 0.0, []
+        for _ in range(64):
+            decision = policy.decide(1, 100)
+            step_s = 0.2 if decision != PLAIN else 0.1
+            policy.observe(decision, verified(1, 100, step_s, [[]]))
+            seconds, sizes = seconds + step_s, sizes + [nodes(decision)]
+        return seconds - 64 * 0.1, sizes, policy.warnings
+
+    lost, sizes, warnings = call()
+    dart_steps = sum(1 for s in sizes if s)
+    if budget == LOSS_BUDGET:
+        assert dart_steps == 2 and lost <= LOSS_BUDGET * 0.1 * BUDGET_TOKENS + 0.1
+        assert ctrl.regimes[key].mode == "dart" and not warnings  # one call's loss: later calls still try DART
+        for _ in range(SPENT_CALLS - 1):
+            lost, sizes, warnings = call()
+        assert sum(1 for s in sizes if s) == 2 and ctrl.regimes[key].mode == "plain"
+        assert len(warnings) == 1 and "lost time against plain decoding" in warnings[0]
+    else:
+        assert dart_steps >= WINDOW and lost > LOSS_BUDGET * 0.1 * BUDGET_TOKENS + 0.1
+
+
+@pytest.mark.parametrize("accepted, verdict", [([], "plain"), ([0, 1], "dart")], ids=["loses", "control"])
+def test_a_call_that_spends_its_budget_before_any_estimate_gives_the_verdict(accepted, verdict):
+    """A head without an acceptance curve whose trees, at twice plain's cost, accept nothing: the first call spends
+    its budget in 2 steps, before tau rests on enough steps for an estimate, and its own steps send later calls plain.
+    The control accepts 2 nodes a step (1.5x plain) and keeps DART."""
+    ctrl = SpeedController([3], None, None, start_size=3)
+    key = regime_key(1, 100)
+    ctrl.regime(1, 100)
+    ctrl.observe_plain(key, 0.1, cold_ok=True)
+    policy = CallPolicy(lambda: ctrl, may_go_plain=True)
+    policy.begin(False)
+    sizes = []
+    for _ in range(16):
+        decision = policy.decide(1, 100)
+        tree = decision != PLAIN
+        policy.observe(decision, verified(1, 100, 0.2 if tree else 0.1, [accepted if tree else []]))
+        sizes.append(nodes(decision))
+    assert ctrl.regimes[key].mode == verdict
+    assert (sizes[2:] == [0] * 14) == (verdict == "plain")

@@ -80,7 +80,10 @@ def test_an_attached_head_that_cannot_pay_finishes_plain_with_one_warning(tmp_pa
         stats = attached.dart_stats
     assert all(torch.equal(out, plain) for out in outputs)
     fallbacks = [w for w in caught if issubclass(w.category, DartFallbackWarning)]
-    assert len(fallbacks) == 1 and "does not beat plain decoding" in str(fallbacks[0].message)
+    message = str(fallbacks[0].message)
+    assert len(fallbacks) == 1 and "calls here run plain" in message
+    # the numbers of the estimates, or (their first call stopped by its loss budget before any) what the calls lost
+    assert "does not beat plain decoding" in message or "lost time against plain decoding" in message
     assert fallbacks[0].filename == __file__  # it points at the caller's line
     regime = controller_module.existing_controller(attached, head, store=True).regimes[(1, 256)]
     assert regime.mode == "plain"
