@@ -18,7 +18,11 @@ Scenarios (`--scenarios`), SmolLM2-135M-Instruct float32, greedy, held-out chat 
 Each of `--repeats` repeats runs a plain session and a DART session back to back, plain first in even repeats and
 DART first in odd ones, so that a machine whose speed drifts favours neither (plain: the same calls with
 `dart_head=False` on a model with nothing attached); a ratio is plain's seconds over DART's for the same calls (the
-demo: its tokens/s ratio), reported per timed call as the median and the minimum over the repeats.
+demo: its tokens/s ratio), reported per timed call as the median and the minimum over the repeats. A process's own
+speed varies: the same plain calls run up to 1.3x slower in one fresh process than in the next, and that holds for the
+whole process. So each session ends with `REFERENCE_CALLS` plain calls of its first timed call's work (the faster
+kept), and each ratio is also given at the same process speed: multiplied by the DART session's reference time over
+the plain session's.
 Every DART output must equal plain's. Configs (`--configs`): threads:load pairs, load `idle` or `busy` (one spinning
 process beside the session for its whole duration, model loading included).
 """
@@ -42,6 +46,7 @@ from dart_bench.load import busy_cores
 SCENARIOS = ("first", "cannot_pay", "batches", "demo")
 CONFIGS = "1:idle,1:busy,2:idle,2:busy"
 MARK = "RESULT "
+REFERENCE_CALLS = 2  # plain calls after a session's timed ones that measure the process's own speed (the faster kept)
 
 
 def _session(spec: dict) -> dict:
@@ -70,17 +75,23 @@ def _session(spec: dict) -> dict:
         "batches": [(texts[8:9], 16, False)] + [(texts[:4], 48, True)] * 2 + [(texts[:8], 48, True)] * 2,
     }[spec["scenario"]]
     seconds, outputs, steps = [], [], []
-    for prompts, n, counted in calls:
+
+    def generate(prompts: list[str], n: int, dart: bool):
         batch = chat_batch(tokenizer, prompts)
-        extra = {} if spec["dart"] else {"dart_head": False}
-        out, s = timed(model.generate, **batch, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                       pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id, **extra)
+        return timed(model.generate, **batch, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                     pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
+                     **({} if dart else {"dart_head": False}))
+
+    for prompts, n, counted in calls:
+        out, s = generate(prompts, n, spec["dart"])
         stats = model.dart_stats if spec["dart"] else None
         if counted:
             seconds.append(s)
             outputs.append(out.tolist())
             steps.append(None if stats is None else stats.tree_sizes)
-    return {"seconds": seconds, "outputs": outputs, "tree_sizes": steps}
+    prompts, n, _ = next(call for call in calls if call[2])  # the process's own speed: its first timed call, plain
+    reference = min(generate(prompts, n, False)[1] for _ in range(REFERENCE_CALLS))
+    return {"seconds": seconds, "outputs": outputs, "tree_sizes": steps, "reference_s": reference}
 
 
 def run_session(spec: dict, busy: bool) -> dict:
@@ -111,8 +122,10 @@ def compare(scenario: str, threads: int, busy: bool, repeat: int, new_tokens: in
         ratios = [sum(plain["seconds"]) / sum(dart["seconds"])]
     else:
         ratios = [p / d for p, d in zip(plain["seconds"], dart["seconds"])]
-    return {"ratios": ratios, "identical": plain["outputs"] == dart["outputs"], "plain_s": plain["seconds"],
-            "dart_s": dart["seconds"], "tree_sizes": dart["tree_sizes"]}
+    speed = dart["reference_s"] / plain["reference_s"]  # how much slower the DART session's process ran plain calls
+    return {"ratios": ratios, "normalized": [r * speed for r in ratios],
+            "identical": plain["outputs"] == dart["outputs"], "plain_s": plain["seconds"], "dart_s": dart["seconds"],
+            "reference_s": [plain["reference_s"], dart["reference_s"]], "tree_sizes": dart["tree_sizes"]}
 
 
 def _ratios(values: list[float]) -> str:
@@ -151,15 +164,24 @@ def main(argv=None) -> int:
             row = {"scenario": scenario, "threads": threads, "load": "busy" if busy else "idle",
                    "median": [statistics.median(c) for c in by_call], "min": [min(c) for c in by_call],
                    "ratios": by_call, "identical": all(run["identical"] for run in runs), "runs": runs}
+            if scenario != "demo":
+                normalized = [list(call) for call in zip(*(run["normalized"] for run in runs))]
+                row["normalized_median"] = [statistics.median(c) for c in normalized]
+                row["normalized_min"] = [min(c) for c in normalized]
             rows.append(row)
+            same_speed = "" if scenario == "demo" else (f"; at the same process speed median "
+                                                        f"{_ratios(row['normalized_median'])}, min "
+                                                        f"{_ratios(row['normalized_min'])}")
             print(f"{scenario:10s} {threads} thread(s) {row['load']:4s}: median {_ratios(row['median'])}, min "
-                  f"{_ratios(row['min'])}, identical {row['identical']}", flush=True)
+                  f"{_ratios(row['min'])}{same_speed}, identical {row['identical']}", flush=True)
     results = {"environment": environment(torch.device("cpu"), Path(__file__).resolve().parents[1]),
                "new_tokens": args.new_tokens, "repeats": args.repeats, "rows": rows}
-    print("\n| scenario | threads | load | median (each timed call) | min | identical |\n|---|---|---|---|---|---|")
+    print("\n| scenario | threads | load | median (each timed call) | min | same process speed: median, min | "
+          "identical |\n|---|---|---|---|---|---|---|")
     for r in rows:
+        same = f"{_ratios(r['normalized_median'])}; {_ratios(r['normalized_min'])}" if "normalized_median" in r else ""
         print(f"| {r['scenario']} | {r['threads']} | {r['load']} | {_ratios(r['median'])} | {_ratios(r['min'])} | "
-              f"{r['identical']} |")
+              f"{same} | {r['identical']} |")
     if args.json:
         write_results(args.json, results)
     return 0 if all(r["identical"] for r in rows) else 1
