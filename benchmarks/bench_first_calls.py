@@ -19,7 +19,7 @@ Each of `--repeats` repeats runs a plain session and a DART session back to back
 DART first in odd ones, so that a machine whose speed drifts favours neither (plain: the same calls with
 `dart_head=False` on a model with nothing attached); a ratio is plain's seconds over DART's for the same calls (the
 demo: its tokens/s ratio), reported per timed call as the median and the minimum over the repeats. A process's own
-speed varies: the same plain calls run up to 1.3x slower in one fresh process than in the next, and that holds for the
+speed varies: the same plain calls run up to 1.5x slower in one fresh process than in the next, and that holds for the
 whole process. So each session ends with `REFERENCE_CALLS` plain calls of its first timed call's work (the faster
 kept), and each ratio is also given at the same process speed: multiplied by the DART session's reference time over
 the plain session's.
