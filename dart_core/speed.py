@@ -27,7 +27,9 @@ The choice (`choose_tree_size`): R* = argmax over tree sizes with known tau of t
 R); expected speedup over plain = tau(R*) x t_plain / t_step(R*). Small trees first: a regime's first DART steps take
 the controller's `start_size` (for a head, at most `FIRST_ROWS` rows a sequence), and a size not yet timed there is
 taken only up to `LADDER` times the rows of the largest timed one (`SpeedController.tryable`), so a call climbs to a
-large tree through timed smaller ones and never pays for a large one an estimate merely extrapolated. How a call
+large tree through timed smaller ones and never pays for a large one an estimate merely extrapolated; steps take the
+best of the sizes timed there, and an exploration step tries an untimed one at most once every `NEW_SIZE_EVERY` steps
+of the regime (`dart_core.step_policy`). How a call
 explores, measures plain decoding and falls back: `dart_core.step_policy`.
 """
 
@@ -86,6 +88,10 @@ SHAPE_TOLERANCE = 1.3  # timed / predicted step ratios within 30% of each other:
 MIN_FIT_SPAN = 1.5  # a line through timed steps needs verified row counts that differ by half
 FIRST_ROWS = 4  # small trees first: a drafter that fills its trees starts a regime at <= 4 rows a sequence (3 nodes)
 LADDER = 2.0  # a size not timed in a regime is tried only up to twice the rows a sequence of the largest one timed
+# ... and only on an exploration step, at most once every 32 steps of the regime in a process: a size's first steps
+# in a process cost one-off work (new shapes, the few-row kernels' trials, `dart_runtime.matmul`), so a call of 64
+# tokens pays for one or two new sizes, not for every size its first noisy estimates point to
+NEW_SIZE_EVERY = 16
 CONTEXT_BUCKET_MIN = 256  # contexts up to 256 positions share a regime; above, one regime per power of two
 # no step of a decoding loop takes a day; no ratio of observed to predicted step time is beyond a million either way
 MAX_STEP_S = 86400.0
@@ -187,6 +193,8 @@ class Regime:
     count: int = 0  # steps seen here in this process (the exploration schedule; not saved)
     first_plain: list = dataclasses.field(default_factory=list)  # timed plain steps before `plain` has any (not saved)
     spent_calls: int = 0  # calls in a row that spent their loss budget here (`CallLoss`; not saved)
+    new_size: Optional[int] = None  # the size not timed here that steps try until it is (`NEW_SIZE_EVERY`; not saved)
+    new_size_at: int = 0  # `count` when it was first tried
 
     def timed(self) -> dict:
         """{tree size: Mean of its step seconds} for the sizes with a timed DART step here."""
@@ -424,20 +432,22 @@ class SpeedController:
         reach = self.start_size if not timed else LADDER * (max(timed) + 1) - 1
         return [r for r in self.sizes if r <= reach or r in timed]
 
-    def best(self, key: tuple[int, int], sampled: bool, anywhere: bool = False) -> Optional[tuple[int, list[dict]]]:
+    def best(self, key: tuple[int, int], sampled: bool, anywhere: bool = False,
+             timed: bool = False) -> Optional[tuple[int, list[dict]]]:
         """(R*, rows) in regime `key` (`choose_tree_size`) over the sizes it may take (`tryable`; `anywhere`: over
-        every size), or None while no such size has both estimates."""
+        every size; `timed`: over those timed there), or None while no such size has both estimates."""
         tau = self.tau_of(sampled)
-        sizes = set(self.sizes if anywhere else self.tryable(key))
+        sizes = set(self.sizes if anywhere else self.regimes[key].timed() if timed else self.tryable(key))
         steps = {r: s for r in tau if r in sizes and (s := self.step_s(key, r)) is not None
                  and (finite(s) or 0.0) > 0.0}
         if not steps:
             return None
         return choose_tree_size(tau, steps, self.plain_s(key))
 
-    def expected(self, key: tuple[int, int], sampled: bool, anywhere: bool = False) -> Optional[float]:
+    def expected(self, key: tuple[int, int], sampled: bool, anywhere: bool = False,
+                 timed: bool = False) -> Optional[float]:
         """The expected speedup of the best tree over plain in regime `key` (`best`; None while either is unknown)."""
-        best = self.best(key, sampled, anywhere)
+        best = self.best(key, sampled, anywhere, timed)
         if best is None:
             return None
         return chosen_row(best)["speedup"]

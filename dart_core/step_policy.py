@@ -3,29 +3,30 @@ that decide it (`StepPolicy`): a fixed tree (`FixedTree`) or the speed rule (`Ca
 `dart_core.speed.SpeedController`). Framework-free: a decoding loop asks `decide` before every step and hands the
 step's outcome to `observe`.
 
-How a call uses the speed rule (`CallPolicy`): each step takes the best tree R* of its regime by the estimates, except
-that every `EXPLORE_EVERY`-th step of a regime tries a neighbouring size (up and down in turn: a larger tree also
-measures tau above R*), and, for an attached head, a regime's first steps (until plain's cost there starts from its
-first timed plain steps, `dart_core.speed.first_plain_s`) and every `PLAIN_EVERY`-th one are plain steps, which measure
-plain decoding there; so is one in every `EXPLORE_EVERY` of a regime's first `PLAIN_EVERY` steps in a process while
-DART's expected gain there is below `MARGINAL` (`remeasures_plain`), so that a verdict that could go either way follows
-plain's cost as the call finds it, not as a slow or fast spell at the regime's start made it.
+How a call uses the speed rule (`CallPolicy`): each step takes the best tree R* of its regime among the sizes timed
+there (the controller's start size until one is), except that every `EXPLORE_EVERY`-th step of a regime tries a
+neighbouring size (up and down in turn: a larger tree also measures tau above R*); one not timed there only once every
+`NEW_SIZE_EVERY` steps of the regime, and then until a step of it is timed (`dart_core.speed`). For an attached head, a
+regime's first steps (until plain's cost there starts from its first timed plain steps, `dart_core.speed.first_plain_s`)
+and every `PLAIN_EVERY`-th one are plain steps, which measure plain decoding there; so is one in every `EXPLORE_EVERY`
+of a regime's first `PLAIN_EVERY` steps in a process while DART's expected gain there is below `MARGINAL`
+(`remeasures_plain`), so that a verdict that could go either way follows plain's cost as the call finds it, not as a
+slow or fast spell at the regime's start made it.
 
 Falling back, for an attached head (`dart_hf.enable(model, head)`): once a call has made `WINDOW` DART steps in a
-regime, whenever the expected speedup there is below 1 and so is the rate of the call's last `WINDOW` steps, the call
-finishes that regime plain (the roots alone, one token per sequence and step, exactly as plain decoding decides it), and
-later calls that start in the regime run as plain `generate()`, with one `DartFallbackWarning` per regime and the
-numbers. Where both speedups are below `CALL_MARGIN` but not both below 1, the call alone finishes the regime plain (a
-gain that small is within the estimates' error); later calls there run DART as before. Whatever the estimates say, a
-call stops drafting once its DART steps' loss against plain spends its budget (`dart_core.speed.CallLoss`); that call's
-steps there may give the verdict as above (its observed speedup standing for the expected one while the estimates have
-none), and so does a probe or the `SPENT_CALLS`-th call in a row that spends its budget in the regime. After
-`FIRST_PROBE_AFTER` plain calls (doubling after every probe that loses, up to `MAX_PROBE_AFTER`) a call in the regime
-runs DART again (a probe): steps timed on a loaded machine switch DART off only until then. The verdict follows the
-latest evidence of any call: a call with `dart_head=` (which decodes with DART whatever the estimates say; its tree
-sizes still adapt) or with a fixed tree that shows DART pays in a plain regime sends later attached calls there back to
-DART, and one that shows it loses sends them plain.
-"""
+regime, whenever the expected speedup there by the sizes timed there is below 1 and so is the rate of the call's last
+`WINDOW` steps, the call finishes that regime plain (the roots alone, one token per sequence and step, exactly as plain
+decoding decides it), and later calls that start in the regime run as plain `generate()`, with one `DartFallbackWarning`
+per regime and the numbers. Where both speedups are below `CALL_MARGIN` but not both below 1, the call alone finishes
+the regime plain (a gain that small is within the estimates' error); later calls there run DART as before. Whatever the
+estimates say, a call stops drafting once its DART steps' loss against plain spends its budget
+(`dart_core.speed.CallLoss`); that call's steps there may give the verdict as above (its observed speedup standing for
+the expected one while the estimates have none), and so does a probe or the `SPENT_CALLS`-th call in a row that spends
+its budget in the regime. After `FIRST_PROBE_AFTER` plain calls (doubling after every probe that loses, up to
+`MAX_PROBE_AFTER`) a call in the regime runs DART again (a probe): steps timed on a loaded machine switch DART off only
+until then. The verdict follows the latest evidence of any call: a call with `dart_head=` (which decodes with DART
+whatever the estimates say; its tree sizes still adapt) or with a fixed tree that shows DART pays in a plain regime
+sends later attached calls there back to DART, and one that shows it loses sends them plain."""
 
 from __future__ import annotations
 
@@ -33,8 +34,9 @@ import dataclasses
 from typing import Callable, Optional, Protocol, Union
 
 from dart_core.acceptance import tau_of
-from dart_core.speed import (CALL_MARGIN, EXPLORE_EVERY, MARGINAL, MIN_PLAIN_WEIGHT, PLAIN_EVERY, SPENT_CALLS,
-                             WINDOW, CallLoss, Mode, SpeedController, chosen_row, regime_key, step_seconds_ok)
+from dart_core.speed import (CALL_MARGIN, EXPLORE_EVERY, MARGINAL, MIN_PLAIN_WEIGHT, NEW_SIZE_EVERY, PLAIN_EVERY,
+                             SPENT_CALLS, WINDOW, CallLoss, Mode, SpeedController, chosen_row, regime_key,
+                             step_seconds_ok)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,19 +168,31 @@ class CallPolicy:
             best = ctrl.best(key, self.sampled)
             if self.may_go_plain and best is not None and remeasures_plain(regime.count, best):
                 return PLAIN  # plain's cost again: a marginal verdict must not rest on one slow spell
-            if best is None:  # nothing timed here yet
-                return TreeStep(ctrl.start_size)
-            size = best[0]
+            if regime.new_size is not None and regime.new_size not in regime.timed():
+                return TreeStep(regime.new_size)  # a size's first step in a process is not timed: until one is
+            chosen = ctrl.best(key, self.sampled, timed=True)
+            if chosen is None:  # no tree timed here yet: the start size, or the one what trees cost elsewhere favours
+                return TreeStep(ctrl.start_size if best is None else best[0])
+            size = chosen[0]
             if regime.count % EXPLORE_EVERY == EXPLORE_EVERY - 1:
-                size = self._neighbour(key, size, up=(regime.count // EXPLORE_EVERY) % 2 == 0)
+                size = self._neighbour(key, regime, size, up=(regime.count // EXPLORE_EVERY) % 2 == 0)
             return TreeStep(size)
 
-    def _neighbour(self, key: tuple[int, int], size: int, up: bool) -> int:
-        """The size next to `size` (up or down) among those the regime may take (`SpeedController.tryable`)."""
-        sizes = self.controller.tryable(key)
+    def _neighbour(self, key: tuple[int, int], regime, size: int, up: bool) -> int:
+        """The size next to `size` (up or down, else the other way) among those the regime may take
+        (`SpeedController.tryable`), one not timed there only `NEW_SIZE_EVERY` steps after the last such; else
+        `size`."""
+        sizes, timed = self.controller.tryable(key), regime.timed()
         i = sizes.index(size) if size in sizes else 0
-        j = i + 1 if (up and i + 1 < len(sizes)) or i == 0 else i - 1
-        return sizes[min(max(j, 0), len(sizes) - 1)]
+        for j in ((i + 1, i - 1) if up else (i - 1, i + 1)):
+            if not 0 <= j < len(sizes):
+                continue
+            if sizes[j] in timed:
+                return sizes[j]
+            if regime.count - regime.new_size_at >= NEW_SIZE_EVERY:
+                regime.new_size, regime.new_size_at = sizes[j], regime.count
+                return sizes[j]
+        return size
 
     def observe(self, decision: Union[TreeStep, PlainStep], step: VerifiedStep) -> None:
         ctrl = self.controller
@@ -212,16 +226,17 @@ class CallPolicy:
                 return
             observed = sum(t for t, _ in recent) / sum(s for _, s in recent) * plain
             expected = ctrl.expected(key, self.sampled)
+            shown = ctrl.expected(key, self.sampled, timed=True)  # by the sizes timed here alone, no size's prior
             # the verdict for later calls follows the latest evidence of any call: slower than plain both by the
-            # estimates and over this call's last WINDOW steps here, or a call that spent its budget here when it
-            # is a probe, the SPENT_CALLS-th in a row, or before the estimates have a figure (`lost`); or not, where
-            # a call that spent its budget never shows DART pays
+            # sizes timed here and over this call's last WINDOW steps here, or a call that spent its budget here when
+            # it is a probe, the SPENT_CALLS-th in a row, or before the estimates have a figure (`lost`); or not,
+            # where a call that spent its budget never shows DART pays
             lost = spent_here and (expected is None or self.probe or regime.spent_calls >= SPENT_CALLS)
             if expected is None and not lost:
                 return
             if self.may_go_plain and expected is not None and max(expected, observed) < CALL_MARGIN:
                 self.plain_here.add(key)  # this call alone: below CALL_MARGIN by both measures
-            if lost or (expected < 1.0 and observed < 1.0):
+            if lost or (shown is not None and shown < 1.0 and observed < 1.0):
                 if not self.may_go_plain:  # a call that must decode with DART: later attached calls run plain here
                     if regime.mode == Mode.DART:
                         ctrl.set_plain(key, probing=False)
