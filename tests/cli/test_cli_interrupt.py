@@ -25,11 +25,19 @@ sys.meta_path.insert(0, _InterruptAt())
 """
 
 
+def default_sigint() -> None:
+    """In the child, before exec: SIGINT's default disposition, as a shell starts a command. An ignored SIGINT stays
+    ignored across exec, and a test worker may have been left ignoring it by a library another test ran in it
+    (SGLang's tracing sets SIG_IGN)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run(tmp_path, argv, module, entry="script"):
     (tmp_path / "sitecustomize.py").write_text(HOOK)
     env = {**os.environ, "PYTHONPATH": str(tmp_path), "INTERRUPT_AT": module}
     command = [str(SCRIPT)] if entry == "script" else [sys.executable, "-m", "dart_cli.main"]
-    return subprocess.run(command + argv, capture_output=True, text=True, env=env, timeout=120)
+    return subprocess.run(command + argv, capture_output=True, text=True, env=env, timeout=120,
+                          preexec_fn=default_sigint)
 
 
 COMMANDS = [["demo", "--core"], ["bench"], ["calibrate", "HEAD"], ["convert", "sglang", "A", "B"], ["prompts"],
@@ -68,5 +76,6 @@ def test_importing_the_module_keeps_python_s_own_answer(tmp_path):
     (tmp_path / "sitecustomize.py").write_text(HOOK)
     env = {**os.environ, "PYTHONPATH": str(tmp_path), "INTERRUPT_AT": "torch"}
     code = "import dart_cli.main"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120,
+                          preexec_fn=default_sigint)
     assert proc.returncode == -signal.SIGINT and "KeyboardInterrupt" in proc.stderr
