@@ -29,8 +29,7 @@ the controller's `start_size` (for a head, at most `FIRST_ROWS` rows a sequence)
 taken only up to `LADDER` times the rows of the largest timed one (`SpeedController.tryable`), so a call climbs to a
 large tree through timed smaller ones and never pays for a large one an estimate merely extrapolated; steps take the
 best of the sizes timed there, and an exploration step tries an untimed one at most once every `NEW_SIZE_EVERY` steps
-of the regime (`dart_core.step_policy`). How a call
-explores, measures plain decoding and falls back: `dart_core.step_policy`.
+of the regime. How a call explores, measures plain decoding and falls back: `dart_core.step_policy`.
 """
 
 from __future__ import annotations
@@ -88,9 +87,9 @@ SHAPE_TOLERANCE = 1.3  # timed / predicted step ratios within 30% of each other:
 MIN_FIT_SPAN = 1.5  # a line through timed steps needs verified row counts that differ by half
 FIRST_ROWS = 4  # small trees first: a drafter that fills its trees starts a regime at <= 4 rows a sequence (3 nodes)
 LADDER = 2.0  # a size not timed in a regime is tried only up to twice the rows a sequence of the largest one timed
-# ... and only on an exploration step, at most once every 32 steps of the regime in a process: a size's first steps
+# ... and only on an exploration step, at most once every 16 steps of the regime in a process: a size's first steps
 # in a process cost one-off work (new shapes, the few-row kernels' trials, `dart_runtime.matmul`), so a call of 64
-# tokens pays for one or two new sizes, not for every size its first noisy estimates point to
+# tokens pays for two or three sizes, not for every size its first noisy estimates point to
 NEW_SIZE_EVERY = 16
 CONTEXT_BUCKET_MIN = 256  # contexts up to 256 positions share a regime; above, one regime per power of two
 # no step of a decoding loop takes a day; no ratio of observed to predicted step time is beyond a million either way
