@@ -193,11 +193,20 @@ class Regime:
     first_plain: list = dataclasses.field(default_factory=list)  # timed plain steps before `plain` has any (not saved)
     spent_calls: int = 0  # calls in a row that spent their loss budget here (`CallLoss`; not saved)
     new_size: Optional[int] = None  # the size not timed here that steps try until it is (`NEW_SIZE_EVERY`; not saved)
-    new_size_at: int = 0  # `count` when it was first tried
+    new_size_at: int = 0  # `count` when it was first tried (not saved)
+
+    def keep_process_state(self, other: "Regime") -> None:
+        """Take `other`'s state of this process, which is not saved (`PROCESS_STATE`): a regime another process saved
+        later replaces `other` without resetting this process's exploration schedule or its calls' record."""
+        for name in PROCESS_STATE:
+            setattr(self, name, getattr(other, name))
 
     def timed(self) -> dict:
         """{tree size: Mean of its step seconds} for the sizes with a timed DART step here."""
         return {r: m for r, m in self.steps.items() if m.weight > 0}
+
+
+PROCESS_STATE = ("count", "first_plain", "spent_calls", "new_size", "new_size_at")  # a `Regime`'s fields not saved
 
 
 # ---- the rule ---------------------------------------------------------------------------------------------------

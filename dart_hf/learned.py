@@ -233,7 +233,7 @@ class LearnedFile:
             mine = ctrl.regimes.get(key)
             if mine is None or not newer_only or regime.updated > mine.updated:
                 if mine is not None:
-                    regime.count = mine.count
+                    regime.keep_process_state(mine)
                 ctrl.regimes[key] = regime
         return problems
 

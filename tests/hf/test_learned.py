@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from dart_core.speed import SpeedController
+from dart_core.speed import PROCESS_STATE, SpeedController
 from dart_hf import DartCacheWarning
 from dart_hf.learned import LearnedFile
 from helpers.synthetic import SIZES, Machine, prior_from, rate_over_calls, run_call
@@ -41,6 +41,26 @@ def test_the_learned_state_is_saved_loaded_and_merged_newest_first(tmp_path):
     merged = json.loads(path.read_text())["regimes"]
     assert set(merged) == {"1x256", "8x256"}
     assert merged["1x256"]["updated"] == second.regimes[(1, 256)].updated
+
+
+def test_a_regime_another_process_saved_later_keeps_this_process_s_own_state(tmp_path):
+    machine = Machine()
+    path = tmp_path / "x.learned.json"
+    mine, mine_file = kept(path, machine)
+    run_call(mine, machine, steps=40)
+    regime = mine.regimes[(1, 256)]
+    regime.spent_calls, regime.new_size, regime.new_size_at = 1, 6, 33  # as a call may leave them
+    own = {name: getattr(regime, name) for name in PROCESS_STATE}
+    assert own["count"] == 40
+    other, other_file = kept(path, machine)
+    time.sleep(0.01)
+    run_call(other, machine, steps=8)
+    other_file.save(force=True)
+    mine.dirty = True
+    mine_file.save(force=True)  # reads the newer regime first: it replaces this process's estimates
+    adopted = mine.regimes[(1, 256)]
+    assert adopted is not regime and adopted.updated == other.regimes[(1, 256)].updated
+    assert {name: getattr(adopted, name) for name in PROCESS_STATE} == own
 
 
 @pytest.mark.parametrize("damage", ["text", "list", "version", "identity", "tau", "mode", "probe", "negative",
