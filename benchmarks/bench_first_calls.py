@@ -4,6 +4,7 @@ tool starts), idle or with one other process keeping one of the two cores busy, 
 
     python benchmarks/bench_first_calls.py --json benchmarks/results/first_calls.json
     python benchmarks/bench_first_calls.py --scenarios first --configs 2:idle --repeats 1 --new-tokens 8   # quick
+    python benchmarks/bench_first_calls.py --scenarios first --configs 1:paired --repeats 9 [--control]
 
 Scenarios (`--scenarios`), SmolLM2-135M-Instruct float32, greedy, held-out chat prompts
 (`dart_bench/data/fresh_prompts.jsonl`):
@@ -24,7 +25,12 @@ whole process. So each session ends with `REFERENCE_CALLS` plain calls of its fi
 kept), and each ratio is also given at the same process speed: multiplied by the DART session's reference time over
 the plain session's.
 Every DART output must equal plain's. Configs (`--configs`): threads:load pairs, load `idle` or `busy` (one spinning
-process beside the session for its whole duration, model loading included).
+process beside the session for its whole duration, model loading included), or, at 1 thread and for the first call
+only, `paired`: the plain and the DART session run at once, each on its own core and each the other's load, their first
+calls started together once both have loaded. Slow spells that come from outside the process (a shared host) reach
+both cores at once, so a pair's two first calls run through much the same spells, where sessions run one after the
+other each meet their own. `--control` runs both sessions plain: the ratios that the sessions' own spread and any bias
+of the harness give, against which DART's are read.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -47,6 +54,18 @@ SCENARIOS = ("first", "cannot_pay", "batches", "demo")
 CONFIGS = "1:idle,1:busy,2:idle,2:busy"
 MARK = "RESULT "
 REFERENCE_CALLS = 2  # plain calls after a session's timed ones that measure the process's own speed (the faster kept)
+LOADS = ("idle", "busy", "paired")
+BARRIER_TIMEOUT_S = 600.0  # how long a paired session waits for the other to load
+
+
+def _wait_for_pair(barrier: str, name: str) -> None:
+    """Mark this session ready in the directory `barrier`, then wait until both sessions of the pair are."""
+    Path(barrier, name).touch()
+    deadline = time.monotonic() + BARRIER_TIMEOUT_S
+    while len(os.listdir(barrier)) < 2:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the other session of the pair did not load within {BARRIER_TIMEOUT_S:.0f} s")
+        time.sleep(0.005)
 
 
 def _session(spec: dict) -> dict:
@@ -55,6 +74,8 @@ def _session(spec: dict) -> dict:
     from dart_bench import chat_batch, timed
 
     torch.set_num_threads(spec["threads"])
+    if "core" in spec:  # a paired session: its own core
+        os.sched_setaffinity(0, {spec["core"]})
     if spec["scenario"] == "demo":
         from dart_cli.demo import model_demo
 
@@ -66,7 +87,8 @@ def _session(spec: dict) -> dict:
         from benchmarks.bench_controller import head_that_cannot_pay
 
         head = head_that_cannot_pay(model, curve=False)
-    if spec["dart"]:
+    dart = spec["dart"] and not spec["control"]  # the control: the "DART" session runs plain too
+    if dart:
         dart_hf.enable(model, head)
     texts = prompts_from_file(DATA_DIR / "fresh_prompts.jsonl", 16)
     calls = {  # (batch of prompts, new tokens, timed)
@@ -82,9 +104,11 @@ def _session(spec: dict) -> dict:
                      pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
                      **({} if dart else {"dart_head": False}))
 
+    if "barrier" in spec:
+        _wait_for_pair(spec["barrier"], "dart" if spec["dart"] else "plain")
     for prompts, n, counted in calls:
-        out, s = generate(prompts, n, spec["dart"])
-        stats = model.dart_stats if spec["dart"] else None
+        out, s = generate(prompts, n, dart)
+        stats = model.dart_stats if dart else None
         if counted:
             seconds.append(s)
             outputs.append(out.tolist())
@@ -94,29 +118,63 @@ def _session(spec: dict) -> dict:
     return {"seconds": seconds, "outputs": outputs, "tree_sizes": steps, "reference_s": reference}
 
 
+def _start_session(spec: dict, cache: str) -> subprocess.Popen:
+    """`_session(spec)` started in a fresh process whose dart-spec cache is `cache`."""
+    root = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, DART_SPEC_CACHE=cache, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    return subprocess.Popen([sys.executable, __file__, "--session", json.dumps(spec)], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _session_result(spec: dict, process: subprocess.Popen) -> dict:
+    """What the session `process` of `spec` printed, once it has ended; RuntimeError if it failed."""
+    stdout, stderr = process.communicate()
+    line = next((x for x in reversed(stdout.splitlines()) if x.startswith(MARK)), None)
+    if process.returncode != 0 or line is None:
+        raise RuntimeError(f"session {spec} failed:\n{stderr[-3000:]}")
+    return json.loads(line[len(MARK):])
+
+
 def run_session(spec: dict, busy: bool) -> dict:
     """`_session(spec)` in a fresh process with an empty cache, removed afterwards (beside one busy process if
     `busy`)."""
     with tempfile.TemporaryDirectory(prefix="dart-bench-first-") as cache, busy_cores(1 if busy else 0):
-        root = str(Path(__file__).resolve().parents[1])
-        env = dict(os.environ, DART_SPEC_CACHE=cache,
-                   PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-        done = subprocess.run([sys.executable, __file__, "--session", json.dumps(spec)], env=env, text=True,
-                              capture_output=True)
-    line = next((x for x in reversed(done.stdout.splitlines()) if x.startswith(MARK)), None)
-    if done.returncode != 0 or line is None:
-        raise RuntimeError(f"session {spec} failed:\n{done.stderr[-3000:]}")
-    return json.loads(line[len(MARK):])
+        return _session_result(spec, _start_session(spec, cache))
 
 
-def compare(scenario: str, threads: int, busy: bool, repeat: int, new_tokens: int) -> dict:
-    """A plain session and a DART session of one scenario, config and repeat -> ratios and identity."""
-    spec = {"scenario": scenario, "threads": threads, "repeat": repeat, "new_tokens": new_tokens}
+def run_pair(spec: dict) -> dict[bool, dict]:
+    """A plain and a DART session of `spec` at once, each in a fresh process with an empty cache on its own core (the
+    cores swap over the repeats), their timed calls started together -> {dart: the session's result}."""
+    with tempfile.TemporaryDirectory(prefix="dart-bench-pair-") as root:
+        barrier = os.path.join(root, "ready")
+        os.mkdir(barrier)
+        specs, processes = {}, {}
+        for index, dart in enumerate((False, True)):
+            core = (index + spec["repeat"]) % 2
+            cache = os.path.join(root, f"cache-{core}")
+            os.mkdir(cache)
+            specs[dart] = {**spec, "dart": dart, "core": core, "barrier": barrier}
+            processes[dart] = _start_session(specs[dart], cache)
+        try:
+            return {dart: _session_result(specs[dart], processes[dart]) for dart in (False, True)}
+        finally:
+            for process in processes.values():
+                process.kill()
+
+
+def compare(scenario: str, threads: int, load: str, repeat: int, new_tokens: int, control: bool = False) -> dict:
+    """A plain session and a DART session of one scenario, config and repeat -> ratios and identity (`control`: the
+    DART session runs plain too)."""
+    spec = {"scenario": scenario, "threads": threads, "repeat": repeat, "new_tokens": new_tokens, "control": control}
+    busy = load == "busy"
     if scenario == "demo":
         got = run_session({**spec, "dart": True}, busy)
         return {"ratios": [got["ratio"]], "identical": got["identical"]}
-    first, second = (False, True) if repeat % 2 == 0 else (True, False)  # the order alternates over the repeats
-    runs = {kind: run_session({**spec, "dart": kind}, busy) for kind in (first, second)}
+    if load == "paired":
+        runs = run_pair(spec)
+    else:
+        first, second = (False, True) if repeat % 2 == 0 else (True, False)  # the order alternates over the repeats
+        runs = {kind: run_session({**spec, "dart": kind}, busy) for kind in (first, second)}
     plain, dart = runs[False], runs[True]
     if scenario == "cannot_pay":
         ratios = [sum(plain["seconds"]) / sum(dart["seconds"])]
@@ -140,6 +198,9 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3,
                         help="sessions of each kind per scenario and config (medians and minima over them)")
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens of the first call (the demo's: 128)")
+    parser.add_argument("--control", action="store_true",
+                        help="both sessions plain (the DART one with nothing attached): the ratios the sessions' own "
+                             "spread and any bias of the harness give, to read DART's against")
     args = parser.parse_args(argv)
     if args.session:
         print(MARK + json.dumps(_session(json.loads(args.session))), flush=True)
@@ -147,21 +208,26 @@ def main(argv=None) -> int:
     scenarios = [s for s in args.scenarios.split(",") if s]
     if set(scenarios) - set(SCENARIOS):
         parser.error(f"unknown scenarios {sorted(set(scenarios) - set(SCENARIOS))}")
+    if args.control and "demo" in scenarios:
+        parser.error("--control compares plain with plain: the demo has no such control")
     configs = []
     for pair in args.configs.split(","):
         threads, _, load = pair.partition(":")
-        if load not in ("idle", "busy") or not threads.isdigit():
-            parser.error(f"a config is threads:idle or threads:busy, got {pair!r}")
-        configs.append((int(threads), load == "busy"))
+        if load not in LOADS or not threads.isdigit():
+            parser.error(f"a config is threads:idle, threads:busy or 1:paired, got {pair!r}")
+        if load == "paired" and (threads != "1" or scenarios != ["first"] or (os.cpu_count() or 1) < 2):
+            parser.error("paired sessions run at 1 thread, for the first call only (--scenarios first), on a machine "
+                         "of two cores or more")
+        configs.append((int(threads), load))
     rows = []
     for scenario in scenarios:
-        for threads, busy in configs:
-            if scenario == "demo" and not busy:
+        for threads, load in configs:
+            if scenario == "demo" and load != "busy":
                 continue  # the idle demo is BENCHMARKS.md's own row
-            runs = [compare(scenario, threads, busy, r, 128 if scenario == "demo" else args.new_tokens)
+            runs = [compare(scenario, threads, load, r, 128 if scenario == "demo" else args.new_tokens, args.control)
                     for r in range(args.repeats)]
             by_call = [list(call) for call in zip(*(run["ratios"] for run in runs))]  # each timed call's repeats
-            row = {"scenario": scenario, "threads": threads, "load": "busy" if busy else "idle",
+            row = {"scenario": scenario, "threads": threads, "load": load,
                    "median": [statistics.median(c) for c in by_call], "min": [min(c) for c in by_call],
                    "ratios": by_call, "identical": all(run["identical"] for run in runs), "runs": runs}
             if scenario != "demo":
@@ -172,10 +238,10 @@ def main(argv=None) -> int:
             same_speed = "" if scenario == "demo" else (f"; at the same process speed median "
                                                         f"{_ratios(row['normalized_median'])}, min "
                                                         f"{_ratios(row['normalized_min'])}")
-            print(f"{scenario:10s} {threads} thread(s) {row['load']:4s}: median {_ratios(row['median'])}, min "
+            print(f"{scenario:10s} {threads} thread(s) {row['load']:6s}: median {_ratios(row['median'])}, min "
                   f"{_ratios(row['min'])}{same_speed}, identical {row['identical']}", flush=True)
     results = {"environment": environment(torch.device("cpu"), Path(__file__).resolve().parents[1]),
-               "new_tokens": args.new_tokens, "repeats": args.repeats, "rows": rows}
+               "new_tokens": args.new_tokens, "repeats": args.repeats, "control": args.control, "rows": rows}
     print("\n| scenario | threads | load | median (each timed call) | min | same process speed: median, min | "
           "identical |\n|---|---|---|---|---|---|---|")
     for r in rows:
