@@ -12,10 +12,13 @@ What is estimated, per target, head and machine setting (device, dtype, threads)
   `dart_core.acceptance`), so every step updates tau(r) for all r <= R. Prior: the head's shipped acceptance curve,
   counted as `PRIOR_TAU_WEIGHT` steps; a head without one learns it from its own calls.
 - Per regime, a (batch size, context length) bucket (`regime_key`): the seconds of one plain step (`Regime.plain`,
-  from the calls' own plain steps and from plain `generate()` calls, timed per step) and of one DART step at each
-  tree size (`Regime.steps`). A tree size never timed in a regime is predicted from the line through the timed sizes'
+  from the calls' own plain steps and from plain `generate()` calls, timed per step), of one DART step at each tree
+  size (`Regime.steps`) and of a DART step's drafting within it (`Regime.drafting`: the drafter's pass and the tree
+  search, whatever the size). A tree size never timed in a regime is predicted from the line through the timed sizes'
   (rows verified, seconds), a batch of B verifying B x (R + 1) rows (`fit_line`; until two timed sizes span enough
-  rows, through the plain step too). Where a calibrated `MachineCost` exists, an untimed size is predicted as
+  rows, through a tree of no nodes too: B rows at a plain step's seconds plus the drafting, which a DART step pays
+  whatever its size, so that a small tree is not predicted as cheap as a plain step). Where a calibrated
+  `MachineCost` exists, an untimed size is predicted as
   `Regime.scale` (observed over predicted) x (head + search + rest of a step + t_verify(B x (R + 1))), unless the
   timed sizes show that prediction's shape is wrong (a measurement taken under load is bent, not only scaled): then
   the line again.
@@ -183,6 +186,7 @@ class Regime:
     """What steps cost in one regime on this machine, and whether DART runs there."""
 
     plain: Mean = dataclasses.field(default_factory=Mean)  # seconds of one plain step
+    drafting: Mean = dataclasses.field(default_factory=Mean)  # seconds of a DART step's drafting (any tree size)
     steps: dict = dataclasses.field(default_factory=dict)  # tree size -> Mean of seconds of one DART step
     scale: Mean = dataclasses.field(default_factory=Mean)  # observed / predicted DART step time
     mode: Mode = Mode.DART  # DART, or PLAIN: attached calls starting here run plain until a probe
@@ -402,7 +406,7 @@ class SpeedController:
             plain = regime.plain.value
             line = fit_line(points)
             if line is None and plain is not None:
-                line = fit_line(points + [(key[0], plain, regime.plain.weight)])
+                line = fit_line(points + [self.no_tree_point(key)])
             if line is None and not timed and plain is not None:  # nothing timed here: what drafting adds elsewhere
                 extra = self.drafting_s(key, key[0] * size)
                 return None if extra is None else max(plain + extra, 1e-9)
@@ -414,16 +418,22 @@ class SpeedController:
                 return max(line[0] + line[1] * key[0] * (size + 1), 1e-9)
         return prior * (regime.scale.value or 1.0)
 
+    def no_tree_point(self, key: tuple[int, int]) -> tuple[float, float, float]:
+        """(rows verified, seconds, weight) of a DART step of no draft nodes in regime `key`, where its plain step is
+        timed: its B rows at a plain step's seconds plus the drafting timed there (none while no DART step is)."""
+        regime = self.regimes[key]
+        return key[0], regime.plain.value + (regime.drafting.value or 0.0), regime.plain.weight
+
     def drafting_s(self, key: tuple[int, int], draft_rows: int) -> Optional[float]:
         """Seconds that drafting and verifying `draft_rows` draft nodes add to a plain step, as measured in the other
-        regime with the most timed DART steps (its line through (rows verified, seconds) of its timed sizes and its
-        plain step, `fit_line`), or None where no other regime has such a line: a regime's first tree is chosen from
-        what trees cost elsewhere, not taken blind."""
+        regime with the most timed DART steps (its line through (rows verified, seconds) of its timed sizes and a tree
+        of no nodes there, `fit_line`, `no_tree_point`), or None where no other regime has such a line: a regime's
+        first tree is chosen from what trees cost elsewhere, not taken blind."""
         others = [(sum(m.weight for m in r.timed().values()), k, r) for k, r in self.regimes.items()
                   if k != key and r.timed() and r.plain.value is not None]
         for _, other, regime in sorted(others, key=lambda x: (-x[0], x[1])):
             points = [(other[0] * (r + 1), m.value, m.weight) for r, m in regime.timed().items()]
-            line = fit_line(points) or fit_line(points + [(other[0], regime.plain.value, regime.plain.weight)])
+            line = fit_line(points) or fit_line(points + [self.no_tree_point(other)])
             if line is not None:  # a step of its own plain rows plus `draft_rows`, less its plain step
                 return line[0] + line[1] * (other[0] + draft_rows) - regime.plain.value
         return None
@@ -486,13 +496,17 @@ class SpeedController:
             regime.updated, self.dirty = time.time(), True
 
     def observe_step(self, key: tuple[int, int], size: int, seconds: float, ranks: list[list[int]],
-                     sampled: bool) -> None:
-        """A DART step at `size` took `seconds` and accepted nodes of `ranks` (per sequence); a time that is not a
-        step's (`step_seconds_ok`: a clock that stalled or stepped back) is dropped, what the step accepted is not."""
+                     sampled: bool, drafting: Optional[float] = None) -> None:
+        """A DART step at `size` took `seconds`, `drafting` of them in the drafter's pass and the tree search (None:
+        not timed apart), and accepted nodes of `ranks` (per sequence); a time that is not a step's
+        (`step_seconds_ok`: a clock that stalled or stepped back) is dropped, and so is a drafting time outside
+        0..`seconds`; what the step accepted is kept."""
         with self.lock:
             regime = self.regimes[key]
             if not self.cold(key, size) and step_seconds_ok(seconds):
                 regime.steps.setdefault(size, Mean()).add_robust(seconds, STEP_DECAY)
+                if drafting is not None and finite(drafting) is not None and 0.0 <= drafting <= seconds:
+                    regime.drafting.add_robust(drafting, STEP_DECAY)
                 prior = self.prior_step_s(key, size)
                 ratio = None if prior is None else finite(seconds / prior)
                 if ratio is not None and SCALE_RANGE[0] <= ratio <= SCALE_RANGE[1]:

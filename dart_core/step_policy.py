@@ -70,6 +70,7 @@ class VerifiedStep(Protocol):
     batch_size: int  # sequences the step verified
     context_length: int  # cache positions before the step
     seconds: float  # the whole step: drafting, verification, bookkeeping
+    drafting_seconds: float  # of those, the drafter's pass and the tree search (0 for a plain step)
     ranks: list[list[int]]  # per sequence, the selection rank of each accepted draft node (empty for a plain step)
 
 
@@ -204,7 +205,7 @@ class CallPolicy:
                 ctrl.observe_plain(key, step.seconds)
                 self.tokens += 1.0
                 return
-            ctrl.observe_step(key, decision.nodes, step.seconds, step.ranks, self.sampled)
+            ctrl.observe_step(key, decision.nodes, step.seconds, step.ranks, self.sampled, step.drafting_seconds)
             self.dart_steps[key] = self.dart_steps.get(key, 0) + 1
             tokens = tau_of(sum(map(len, step.ranks)), len(step.ranks))
             self.tokens += tokens

@@ -77,7 +77,7 @@ def mean_from_list(raw, name: str, minimum: float, maximum: float = math.inf, ma
 
 
 def regime_to_dict(regime: Regime) -> dict:
-    return {"plain": regime.plain.to_list(),
+    return {"plain": regime.plain.to_list(), "drafting": regime.drafting.to_list(),
             "steps": {str(r): m.to_list() for r, m in sorted(regime.steps.items())},
             "scale": regime.scale.to_list(), "mode": regime.mode.value, "probe_after": regime.probe_after,
             "plain_calls": regime.plain_calls, "updated": regime.updated}
@@ -101,7 +101,9 @@ def regime_from_dict(raw, name: str, problems: list[str]) -> Regime:
         raise DartInputError(f"{name}.updated is {_shown(raw.get('updated'))}, not a time up to now")
     regime = Regime(mode=Mode(mode), probe_after=probe_after, plain_calls=plain_calls, updated=updated)
     limit = _weight_limit(STEP_DECAY)
-    for field, low, high in (("plain", 1e-9, MAX_STEP_S), ("scale", *SCALE_RANGE)):
+    for field, low, high in (("plain", 1e-9, MAX_STEP_S), ("drafting", 0.0, MAX_STEP_S), ("scale", *SCALE_RANGE)):
+        if field == "drafting" and field not in raw:  # a file saved before drafting was timed apart
+            continue
         try:
             setattr(regime, field, mean_from_list(raw.get(field), f"{name}.{field}", low, high, limit))
         except DartInputError as err:

@@ -883,6 +883,11 @@ class StepOutcome:
         return self.nodes > 1
 
     @property
+    def drafting_seconds(self) -> float:
+        """Seconds of the step's drafting: the drafter's pass and the tree search (0 for the roots alone)."""
+        return self.phases.get("head", 0.0) + self.phases.get("tree", 0.0)
+
+    @property
     def batch_size(self) -> int:
         return len(self.rows)
 

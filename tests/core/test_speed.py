@@ -361,6 +361,59 @@ def test_a_regimes_first_tree_is_chosen_from_what_trees_cost_in_another():
     assert policy.decide(8, 100) == TreeStep(1) and policy.decide(1, 100) == TreeStep(3)
 
 
+def test_an_untimed_tree_is_predicted_with_the_drafting_every_dart_step_pays():
+    """Plain steps of 60 ms; 3-node trees timed at 100 ms, 15 ms of them drafting (the drafter's pass and the tree
+    search, paid whatever the size). A 1-node tree then costs 15 ms + the forward over 2 rows: the line through the
+    timed size and a tree of no nodes (the plain step plus the drafting) gives that, where the line through the plain
+    step alone would give a step nearly as cheap as a plain one. The control: a drafter that costs nothing."""
+    def predicted(drafting: float) -> float:
+        ctrl = SpeedController([1, 3], None, None, start_size=3)
+        key = regime_key(1, 100)
+        ctrl.regime(1, 100)
+        ctrl.observe_plain(key, 0.060, cold_ok=True)
+        for _ in range(3):  # the first is a cold step, not timed
+            ctrl.observe_step(key, 3, 0.100, [[0]], False, drafting)
+        return ctrl.step_s(key, 1)
+
+    assert predicted(0.015) == pytest.approx(0.015 + 0.060 + (0.100 - 0.015 - 0.060) / 3)
+    assert predicted(0.0) == pytest.approx(0.060 + (0.100 - 0.060) / 3)
+    ctrl = SpeedController([3], None, None, start_size=3)
+    ctrl.regime(1, 100)
+    for drafting in (0.2, -0.01, float("nan")):  # outside 0..the step's seconds: not a drafting time
+        ctrl.observe_step(regime_key(1, 100), 3, 0.100, [[0]], False, drafting)
+    assert ctrl.regimes[regime_key(1, 100)].drafting.weight == 0
+
+
+@pytest.mark.parametrize("drafting, finishes_plain", [(0.025, True), (0.0, False)], ids=["drafting", "control"])
+def test_a_call_at_plains_speed_is_not_kept_drafting_by_a_smaller_tree_predicted_without_its_drafting(
+        drafting, finishes_plain):
+    """3-node trees at 105 ms (25 ms of it drafting) against 60 ms plain steps, yielding 1.8 tokens (1.03x, within
+    `CALL_MARGIN` of plain): a 1-node tree, never timed, yields 1.4 tokens, and the line through the timed size and
+    a tree of no nodes predicts it at 92 ms (0.92x), so the call finishes plain within a few steps of `WINDOW` DART
+    steps. The control reports no drafting: the line through the plain step predicts the 1-node tree at 75 ms
+    (1.12x, above `CALL_MARGIN`), and the call keeps drafting for no gain."""
+    curve = AcceptanceCurve({1: 1.4, 3: 1.8}, steps=100, new_tokens=100, prompts=4)
+    ctrl = SpeedController([1, 3], None, curve, start_size=3)
+    key = regime_key(1, 100)
+    ctrl.regime(1, 100)
+    ctrl.observe_plain(key, 0.060, cold_ok=True)
+    yields = [[0, 1], [], [0, 1], [], []]  # 2 steps in 5 accept two nodes: tau(3) 1.8, tau(1) 1.4
+    policy = CallPolicy(lambda: ctrl, may_go_plain=True)
+    policy.begin(False)
+    sizes, trees = [], 0
+    for _ in range(40):
+        decision = policy.decide(1, 100)
+        sizes.append(nodes(decision))
+        if decision == PLAIN:
+            policy.observe(decision, verified(1, 100, 0.060, [[]]))
+            continue
+        ranks = [r for r in yields[trees % len(yields)] if r < decision.nodes]
+        trees += 1
+        seconds = 0.105 if decision.nodes == 3 else 0.060 + 0.025 + (0.105 - 0.060 - 0.025) / 3
+        policy.observe(decision, verified(1, 100, seconds, [ranks], drafting))
+    assert (max(i for i, s in enumerate(sizes) if s) < 2 * WINDOW) == finishes_plain
+
+
 @pytest.mark.parametrize("step_s, finishes_plain", [(0.15, True), (0.13, False)], ids=["1.02x", "1.18x"])
 def test_a_call_within_the_margin_of_plain_finishes_plain_and_later_calls_keep_dart(step_s, finishes_plain):
     """A tree that yields 1.53 tokens per 0.15 s step against 0.1 s plain steps (1.02x by the estimates and by the

@@ -16,9 +16,11 @@ from dart_core.step_policy import PLAIN, CallPolicy, TreeStep
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 32, 60)
 
 
-def verified(batch: int, context: int, seconds: float, ranks: list[list[int]]):
-    """What a policy reads of a verified step (`dart_core.step_policy.VerifiedStep`)."""
-    return types.SimpleNamespace(batch_size=batch, context_length=context, seconds=seconds, ranks=ranks)
+def verified(batch: int, context: int, seconds: float, ranks: list[list[int]], drafting: float = 0.0):
+    """What a policy reads of a verified step (`dart_core.step_policy.VerifiedStep`): `drafting` of its `seconds` in
+    the drafter's pass and the tree search."""
+    return types.SimpleNamespace(batch_size=batch, context_length=context, seconds=seconds, ranks=ranks,
+                                 drafting_seconds=drafting)
 
 
 def nodes(decision) -> int:
@@ -101,7 +103,8 @@ def run_call(controller: SpeedController, machine: Machine, steps: int = 64, bat
             paths = [machine.path() for _ in range(batch)]
             ranks = [p[:accepted_within(p, size)] for p in paths]
             seconds, gained = machine.step(size, batch), 1 + sum(map(len, ranks)) / batch
-        policy.observe(decision, verified(batch, context, seconds, ranks))
+        drafting = machine.head_s if decision != PLAIN else 0.0
+        policy.observe(decision, verified(batch, context, seconds, ranks, drafting))
         tokens, total = tokens + gained, total + seconds
         sizes.append(size)
     return tokens, total, sizes

@@ -93,6 +93,19 @@ def test_an_attached_head_that_cannot_pay_finishes_plain_with_one_warning(tmp_pa
     assert torch.equal(out, plain[:, :out.shape[1]]) and model.dart_stats.plain_steps == 0
 
 
+def test_the_loop_reports_each_tree_steps_drafting_apart(tmp_path, monkeypatch):
+    """A head whose drafting pass takes 30 ms longer: the controller learns a drafting time of at least that, within
+    the steps' own times (which it predicts untimed trees from, `SpeedController.no_tree_point`)."""
+    monkeypatch.setenv("DART_SPEC_CACHE", str(tmp_path))
+    model = dart_hf.enable(tiny_target(), False)
+    plain = model.generate(PROMPT, max_new_tokens=32, do_sample=False)
+    head = slow_drafts(oracle_head(model, plain[0], wrong_every=2), 0.03)
+    out = model.generate(PROMPT, max_new_tokens=32, do_sample=False, dart_head=head)
+    assert torch.equal(out, plain)
+    regime = controller_module.existing_controller(model, head, store=True).regimes[(1, 256)]
+    assert regime.drafting.weight > 0 and 0.03 <= regime.drafting.value < min(m.value for m in regime.timed().values())
+
+
 def test_a_fresh_regimes_first_dart_steps_verify_small_trees(tmp_path, monkeypatch):
     """Small trees first: in a fresh cache, an attached head that fills its trees starts with the largest tree within
     `FIRST_ROWS` rows a sequence, and a larger tree comes only after a timed smaller one (the first step of a size is

@@ -46,13 +46,14 @@ def cache_warnings(caught) -> list:
 
 
 def teach(ctrl: SpeedController, step_s: float = 0.004, plain_s: float = 0.010, size: int = 60) -> None:
-    """Plain steps and DART steps of `size` nodes at batch 1 and 8, each accepting 5 nodes of ranks 0..4."""
+    """Plain steps and DART steps of `size` nodes at batch 1 and 8, each accepting 5 nodes of ranks 0..4, a quarter of
+    each DART step drafting."""
     for batch in (1, 8):
         key = regime_key(batch, 100)
         ctrl.regime(batch, 100)
         for _ in range(4):
             ctrl.observe_plain(key, plain_s, cold_ok=True)
-            ctrl.observe_step(key, size, step_s, [[0, 1, 2, 3, 4]] * batch, False)
+            ctrl.observe_step(key, size, step_s, [[0, 1, 2, 3, 4]] * batch, False, step_s / 4)
 
 
 def kept(path, sizes=SIZES, ident=IDENT) -> LearnedFile:
@@ -131,6 +132,8 @@ def _damage(raw: dict, name: str):
         regime["steps"]["60"] = [-0.02, 5.0]
     elif name == "zero step time":
         regime["plain"] = [0.0, 5.0]
+    elif name == "negative drafting time":
+        regime["drafting"] = [-0.01, 5.0]
     elif name == "huge step time":
         regime["steps"]["60"] = [HUGE, 5.0]
     elif name == "negative step size":
@@ -163,7 +166,8 @@ def _damage(raw: dict, name: str):
 DAMAGES = ["huge int in a tau entry", "huge float in a tau entry", "nan in a tau entry", "infinite weight",
            "tau entry of wrong type", "tau entry nested", "tau above what a tree of that size can yield",
            "negative tau size", "tau size above the controller's", "tau size between the controller's",
-           "tau size not a number", "huge tau updated", "negative step time", "zero step time", "huge step time",
+           "tau size not a number", "huge tau updated", "negative step time", "zero step time",
+           "negative drafting time", "huge step time",
            "negative step size", "step size above any tree", "steps of wrong type", "mode of wrong type",
            "probe_after huge", "updated nan", "updated far in the future", "regime of wrong type",
            "negative regime key", "regime key not a bucket", "regime key not a key"]
@@ -191,6 +195,7 @@ def test_a_bad_entry_is_ignored_with_one_warning_and_the_rest_is_kept(tmp_path, 
             assert kept.mode in ("dart", "plain") and 0 <= kept.updated <= time.time()
             assert all(1 <= r <= MAX_TREE_NODES for r in kept.steps)
             assert all(m.value is None or 0 < m.value < 1 for m in (kept.plain, *kept.steps.values()))
+            assert kept.drafting.value is None or 0 <= kept.drafting.value < 1
     for key in ctrl.regimes:  # and nothing read steers a choice out of range
         best = ctrl.best(key, False)
         assert best is None or best[0] in ctrl.sizes
@@ -198,6 +203,18 @@ def test_a_bad_entry_is_ignored_with_one_warning_and_the_rest_is_kept(tmp_path, 
     ctrl.dirty = True
     learned.save(force=True)
     assert load(path)[1] == []
+
+
+def test_the_drafting_time_is_kept_and_a_file_from_before_it_reads_whole(tmp_path):
+    path = tmp_path / "x.learned.json"
+    raw = learned_file(path)
+    assert load(path)[0].controller.regimes[(1, 256)].drafting.value == pytest.approx(0.001)
+    for regime in raw["regimes"].values():
+        del regime["drafting"]
+    path.write_text(json.dumps(raw))
+    learned, caught = load(path)
+    assert caught == [] and learned.controller.regimes[(1, 256)].drafting.weight == 0
+    assert learned.controller.regimes[(1, 256)].steps[60].value == pytest.approx(0.004)
 
 
 @pytest.mark.parametrize("text", ["[" * 100000 + "]" * 100000, '{"version": 1, "tau": ' + "[" * 100000])
@@ -384,7 +401,7 @@ def test_a_stalled_clock_never_divides_by_zero():
         for _ in range(40):
             decision = policy.decide(1, 100)
             assert decision == PLAIN or 1 <= decision.nodes <= ctrl.max_size
-            step = types.SimpleNamespace(batch_size=1, context_length=100, seconds=0.0,
+            step = types.SimpleNamespace(batch_size=1, context_length=100, seconds=0.0, drafting_seconds=0.0,
                                          ranks=[[0, 1]] if isinstance(decision, TreeStep) else [[]])
             policy.observe(decision, step)
     assert choose_tree_size({1: 1.5, 4: 2.0}, {1: 0.0, 4: 0.01}, 0.0)[0] == 4  # a zero step time is no estimate
@@ -450,7 +467,7 @@ def test_a_stalled_loop_clock_never_fails_a_call(tmp_path, monkeypatch):
         out, _ = generate_all(attached)
         assert torch.equal(out, plain)
     regime = controller_module.existing_controller(attached, head, store=True).regimes[(1, 256)]
-    assert regime.plain.weight == 0 and all(m.weight == 0 for m in regime.steps.values())
+    assert regime.plain.weight == 0 and regime.drafting.weight == 0 and all(m.weight == 0 for m in regime.steps.values())
 
 
 # ---- a head and tree that cannot draft together: refused before any work -------------------------------------------
