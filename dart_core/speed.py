@@ -420,20 +420,21 @@ class SpeedController:
 
     def no_tree_point(self, key: tuple[int, int]) -> tuple[float, float, float]:
         """(rows verified, seconds, weight) of a DART step of no draft nodes in regime `key`, where its plain step is
-        timed: its B rows at a plain step's seconds plus the drafting timed there (none while no DART step is)."""
+        timed: its B rows at a plain step's seconds plus the drafting timed there for B sequences (none while no DART
+        step is)."""
         regime = self.regimes[key]
         return key[0], regime.plain.value + (regime.drafting.value or 0.0), regime.plain.weight
 
     def drafting_s(self, key: tuple[int, int], draft_rows: int) -> Optional[float]:
         """Seconds that drafting and verifying `draft_rows` draft nodes add to a plain step, as measured in the other
-        regime with the most timed DART steps (its line through (rows verified, seconds) of its timed sizes and a tree
-        of no nodes there, `fit_line`, `no_tree_point`), or None where no other regime has such a line: a regime's
-        first tree is chosen from what trees cost elsewhere, not taken blind."""
+        regime with the most timed DART steps (its line through (rows verified, seconds) of its timed sizes and its
+        plain step, `fit_line`: the drafting spread over the rows, as it grows with the batch), or None where no other
+        regime has such a line: a regime's first tree is chosen from what trees cost elsewhere, not taken blind."""
         others = [(sum(m.weight for m in r.timed().values()), k, r) for k, r in self.regimes.items()
                   if k != key and r.timed() and r.plain.value is not None]
         for _, other, regime in sorted(others, key=lambda x: (-x[0], x[1])):
             points = [(other[0] * (r + 1), m.value, m.weight) for r, m in regime.timed().items()]
-            line = fit_line(points) or fit_line(points + [self.no_tree_point(other)])
+            line = fit_line(points) or fit_line(points + [(other[0], regime.plain.value, regime.plain.weight)])
             if line is not None:  # a step of its own plain rows plus `draft_rows`, less its plain step
                 return line[0] + line[1] * (other[0] + draft_rows) - regime.plain.value
         return None
