@@ -506,7 +506,7 @@ class SpeedController:
             regime = self.regimes[key]
             if not self.cold(key, size) and step_seconds_ok(seconds):
                 regime.steps.setdefault(size, Mean()).add_robust(seconds, STEP_DECAY)
-                if drafting is not None and finite(drafting) is not None and 0.0 <= drafting <= seconds:
+                if finite(drafting) is not None and 0.0 <= drafting <= seconds:  # None: not timed apart
                     regime.drafting.add_robust(drafting, STEP_DECAY)
                 prior = self.prior_step_s(key, size)
                 ratio = None if prior is None else finite(seconds / prior)

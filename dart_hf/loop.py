@@ -112,7 +112,7 @@ class DartStats:
                 setattr(self, field, getattr(self, field) + sum(row[i] for row in outcome.sources))
             self.tree_nodes = max(self.tree_nodes, outcome.nodes)
             if not self.forwards:
-                self.first_draft_time = phases["head"] + phases["tree"]
+                self.first_draft_time = outcome.drafting_seconds
         self.forwards += 1
         for phase in ("head", "tree", "mask", "target", "accept", "compact"):
             setattr(self, f"{phase}_time", getattr(self, f"{phase}_time") + phases.get(phase, 0.0))
