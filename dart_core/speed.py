@@ -497,14 +497,15 @@ class SpeedController:
             regime.updated, self.dirty = time.time(), True
 
     def observe_step(self, key: tuple[int, int], size: int, seconds: float, ranks: list[list[int]],
-                     sampled: bool, drafting: Optional[float] = None) -> None:
+                     sampled: bool, drafting: Optional[float] = None, one_off: bool = False) -> None:
         """A DART step at `size` took `seconds`, `drafting` of them in the drafter's pass and the tree search (None:
         not timed apart), and accepted nodes of `ranks` (per sequence); a time that is not a step's
         (`step_seconds_ok`: a clock that stalled or stepped back) is dropped, and so is a drafting time outside
-        0..`seconds`; what the step accepted is kept."""
+        0..`seconds`, and the times of a step that ran one-off work (`one_off`: the few-row kernels' trials, slower
+        products among them) or is the size's first here (`cold`); what the step accepted is kept."""
         with self.lock:
             regime = self.regimes[key]
-            if not self.cold(key, size) and step_seconds_ok(seconds):
+            if not self.cold(key, size) and not one_off and step_seconds_ok(seconds):
                 regime.steps.setdefault(size, Mean()).add_robust(seconds, STEP_DECAY)
                 if finite(drafting) is not None and 0.0 <= drafting <= seconds:  # None: not timed apart
                     regime.drafting.add_robust(drafting, STEP_DECAY)

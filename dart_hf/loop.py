@@ -25,7 +25,7 @@ from dart_core.step_policy import (LAST_TOKEN, PLAIN, FixedTree, LastTokenStep, 
                                    TreeStep)
 from dart_core.errors import DartInputError
 from dart_core.head import id_outside_vocab
-from dart_runtime.matmul import few_row_linears
+from dart_runtime.matmul import few_row_linears, trial_products
 from dart_runtime.sync import synchronize
 from dart_runtime.timing import now
 from dart_core.tree import score_ranks
@@ -183,11 +183,12 @@ VERIFY_PHASES = ("mask", "target", "accept", "compact", "next")  # the phases of
 class PhaseClock:
     """The phases of one step (or the prefill), timed in one place: `mark(phase)` adds the seconds since the previous
     mark to `phases[phase]`; with `sync` each reading waits for `device` first (an accelerator's phases are then its
-    own, at the cost of those synchronisations)."""
+    own, at the cost of those synchronisations). `kernel_trials`: whether few-row kernel trials ran since the start."""
 
     def __init__(self, device: torch.device, sync: bool) -> None:
         self.device, self.sync = device, sync
         self.phases: dict[str, float] = {}
+        self.trials = trial_products()
         self.start = self.last = self.read()
 
     def read(self) -> float:
@@ -204,6 +205,12 @@ class PhaseClock:
     def seconds(self) -> float:
         """From the start to the last mark."""
         return self.last - self.start
+
+    @property
+    def kernel_trials(self) -> bool:
+        """Whether some products since the start were few-row kernel trials (`dart_runtime.matmul.trial_product`):
+        one-off work of this process in the seconds, not what such a step costs."""
+        return trial_products() != self.trials
 
 
 # ---- the statistics of each call, per thread ---------------------------------------------------------------------
@@ -876,6 +883,7 @@ class StepOutcome:
     context_length: int  # cache positions before the step
     seconds: float  # the whole step, drafting included
     phases: dict[str, float]  # seconds by phase (`PhaseClock`)
+    one_off: bool  # the step ran few-row kernel trials: its seconds hold one-off work (`PhaseClock.kernel_trials`)
 
     @property
     def drafted(self) -> bool:
@@ -943,7 +951,7 @@ def verify_step(verifier: _Verifier, trees: DraftTreeBatch, ancestors: torch.Ten
     step = Step(new_tokens, new_ids, paths.nodes[:, :k], logits, pending.head_rows.append(aux, new_ids, counts))
     clock.mark("next")
     return StepOutcome(step, batch.rows, accepted, ranks, [row[len(row) - len(SOURCE_COUNTS):] for row in host],
-                       trees.num_nodes, past, clock.seconds, clock.phases)
+                       trees.num_nodes, past, clock.seconds, clock.phases, clock.kernel_trials)
 
 
 def source_counts(trees: DraftTreeBatch, nodes: torch.Tensor, accept_length: torch.Tensor) -> torch.Tensor:

@@ -79,6 +79,7 @@ PRODUCTS = (F.linear, transposed_linear)  # the two kernels a choice is between 
 # learned or adopted (`adopt_kernel_choices`: a cache keeps them across processes on one machine)
 _CHOICES: dict[str, bool] = {}
 _TRIALS: dict[str, tuple[list[float], list[float]]] = {}  # undecided key -> seconds of each kernel's products so far
+_TRIAL_COUNT = 0  # products computed as trials in this process (`trial_products`)
 _CHOICES_LOCK = threading.Lock()
 
 
@@ -121,10 +122,12 @@ def adopt_kernel_choices(choices: dict[str, bool]) -> None:
 def trial_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
     """The product through an undecided kernel choice: the kernel with fewer timed products so far, timed; the choice
     is made once `trial_verdict` gives one."""
+    global _TRIAL_COUNT
     key = choice_key(weight, rows)
     with _CHOICES_LOCK:
         times = _TRIALS.setdefault(key, ([], []))
         kernel = int(len(times[1]) < len(times[0]))
+        _TRIAL_COUNT += 1
     t0 = now()
     out = PRODUCTS[kernel](x, weight, bias)
     seconds = now() - t0
@@ -136,6 +139,12 @@ def trial_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                 _CHOICES[key] = decided
                 del _TRIALS[key]
     return out
+
+
+def trial_products() -> int:
+    """How many products this process has computed as kernel trials (`trial_product`): a forward during which it
+    grows ran some products through the slower kernel, a one-off cost its time holds."""
+    return _TRIAL_COUNT
 
 
 def trial_verdict(linear: list[float], transposed: list[float]) -> Optional[bool]:

@@ -101,6 +101,22 @@ def test_one_slow_product_does_not_decide_the_choice(two_threads, fake_kernels):
     assert ran.count(1) == matmul.TRIAL_SAMPLES  # the slow product kept the trial from ending early
 
 
+def test_the_products_of_a_trial_are_counted_until_the_choice_is_made(two_threads, fake_kernels):
+    """`trial_products` grows with every product an undecided choice runs, and not once the choice is made (a forward
+    that ran trials holds their one-off cost)."""
+    costs, ran = fake_kernels
+    w = torch.randn(8, 4)
+    costs.update({(0, (8, 4)): 1.0, (1, (8, 4)): 0.5})
+    x = torch.randn(3, 4)
+    before = matmul.trial_products()
+    while matmul.kernel_choice(w, 3) is None:
+        few_row_linear(x, w, None)
+    assert matmul.trial_products() - before == len(ran) == 2 * matmul.EARLY_SAMPLES
+    few_row_linear(x, w, None)
+    few_row_linear(torch.randn(1, 4), w, None)  # one row: F.linear, no choice
+    assert matmul.trial_products() - before == 2 * matmul.EARLY_SAMPLES
+
+
 def test_adopted_choices_are_not_tried_again_and_bad_ones_are_refused(two_threads, fake_kernels):
     costs, ran = fake_kernels
     w = torch.randn(8, 4)

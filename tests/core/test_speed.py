@@ -497,6 +497,39 @@ def test_a_losing_tree_costs_each_call_its_budget_and_two_such_calls_send_the_re
         assert dart_steps >= WINDOW and lost > LOSS_BUDGET * 0.1 * BUDGET_TOKENS + 0.1
 
 
+@pytest.mark.parametrize("one_off", [True, False], ids=["trials", "control"])
+def test_steps_that_ran_kernel_trials_cost_the_call_but_give_no_estimate_and_no_verdict(one_off):
+    """A first call whose tree steps run the few-row kernels' trials (twice plain's time) and accept nothing, as a
+    prompt's first steps may: the call spends its budget and finishes plain, but those steps are neither the tree's
+    cost nor the rate of later steps, so the regime keeps DART and the next call's steps (1.2x plain's time, 2 tokens
+    each) are the estimate. The control, the same steps not marked as one-off, sends later calls plain."""
+    ctrl = SpeedController([3], None, AcceptanceCurve({3: 1.8}, steps=100, new_tokens=100, prompts=4), start_size=3)
+    key = regime_key(1, 100)
+    ctrl.regime(1, 100)
+    ctrl.observe_plain(key, 0.1, cold_ok=True)
+
+    def call(tree_s: float, ranks: list[int], trials: bool) -> list[int]:
+        policy = CallPolicy(lambda: ctrl, may_go_plain=True)
+        policy.begin(False)
+        sizes = []
+        for _ in range(32):
+            decision = policy.decide(1, 100)
+            tree = decision != PLAIN
+            policy.observe(decision, verified(1, 100, tree_s if tree else 0.1, [ranks if tree else []],
+                                              one_off=trials and tree))
+            sizes.append(nodes(decision))
+        return sizes
+
+    first = call(0.2, [], one_off)
+    assert sum(1 for s in first if s) == 2 and not any(first[2:])  # its budget spent: it finishes plain
+    assert ctrl.regimes[key].mode == ("dart" if one_off else "plain")
+    second = call(0.12, [0], False)
+    if one_off:
+        assert sum(1 for s in second if s) >= 30 and ctrl.step_s(key, 3) == pytest.approx(0.12)
+    else:
+        assert not any(second)
+
+
 @pytest.mark.parametrize("accepted, verdict", [([], "plain"), ([0, 1], "dart")], ids=["loses", "control"])
 def test_a_call_that_spends_its_budget_before_any_estimate_gives_the_verdict(accepted, verdict):
     """A head without an acceptance curve whose trees, at twice plain's cost, accept nothing: the first call spends

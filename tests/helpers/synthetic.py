@@ -16,11 +16,12 @@ from dart_core.step_policy import PLAIN, CallPolicy, TreeStep
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 32, 60)
 
 
-def verified(batch: int, context: int, seconds: float, ranks: list[list[int]], drafting: float = 0.0):
+def verified(batch: int, context: int, seconds: float, ranks: list[list[int]], drafting: float = 0.0,
+             one_off: bool = False):
     """What a policy reads of a verified step (`dart_core.step_policy.VerifiedStep`): `drafting` of its `seconds` in
-    the drafter's pass and the tree search."""
+    the drafter's pass and the tree search; `one_off`: it ran the few-row kernels' trials."""
     return types.SimpleNamespace(batch_size=batch, context_length=context, seconds=seconds, ranks=ranks,
-                                 drafting_seconds=drafting)
+                                 drafting_seconds=drafting, one_off=one_off)
 
 
 def nodes(decision) -> int:

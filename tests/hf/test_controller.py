@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import dart_hf
-from dart_core.step_policy import PLAIN, TreeStep
+from dart_core.step_policy import PLAIN, FixedTree, TreeStep
 from dart_hf import DartFallbackWarning
 from helpers.hf_models import oracle_head, tiny_target
 
@@ -104,6 +104,39 @@ def test_the_loop_reports_each_tree_steps_drafting_apart(tmp_path, monkeypatch):
     assert torch.equal(out, plain)
     regime = controller_module.existing_controller(model, head, store=True).regimes[(1, 256)]
     assert regime.drafting.weight > 0 and 0.03 <= regime.drafting.value < min(m.value for m in regime.timed().values())
+
+
+@pytest.mark.parametrize("choices", ["undecided", "decided"])
+def test_the_loop_reports_the_steps_that_ran_kernel_trials(choices, tmp_path, monkeypatch):
+    """Where this process has not yet chosen the few-row product for the trees' row counts, the first tree steps run
+    the trials (some products through the slower kernel) and are reported as one-off work; the control, every choice
+    made, reports none."""
+    import dart_hf.loop as loop_module
+    import dart_runtime.matmul as matmul
+
+    monkeypatch.setenv("DART_SPEC_CACHE", str(tmp_path))  # no kernel choices from earlier processes
+    monkeypatch.setattr(matmul, "_CHOICES", {})
+    monkeypatch.setattr(matmul, "_TRIALS", {})
+    if choices == "decided":
+        monkeypatch.setattr(matmul, "kernel_choice", lambda weight, rows: False)
+    model = tiny_target()
+    plain = model.generate(PROMPT, max_new_tokens=24, do_sample=False)
+    outcomes = []
+    verify = loop_module.verify_step
+
+    def recorded(*args, **kwargs):
+        outcomes.append(verify(*args, **kwargs))
+        return outcomes[-1]
+
+    monkeypatch.setattr(loop_module, "verify_step", recorded)
+    out = model.generate(PROMPT, max_new_tokens=24, do_sample=False, custom_generate=loop_module.dart_decoding,
+                         dart_head=oracle_head(model, plain[0]), dart_step_policy=FixedTree(3))
+    assert torch.equal(out, plain)
+    one_off = [o.one_off for o in outcomes if o.drafted]
+    if choices == "undecided":
+        assert one_off[0]
+    else:
+        assert one_off and not any(one_off)
 
 
 def test_a_fresh_regimes_first_dart_steps_verify_small_trees(tmp_path, monkeypatch):

@@ -402,7 +402,7 @@ def test_a_stalled_clock_never_divides_by_zero():
             decision = policy.decide(1, 100)
             assert decision == PLAIN or 1 <= decision.nodes <= ctrl.max_size
             step = types.SimpleNamespace(batch_size=1, context_length=100, seconds=0.0, drafting_seconds=0.0,
-                                         ranks=[[0, 1]] if isinstance(decision, TreeStep) else [[]])
+                                         one_off=False, ranks=[[0, 1]] if isinstance(decision, TreeStep) else [[]])
             policy.observe(decision, step)
     assert choose_tree_size({1: 1.5, 4: 2.0}, {1: 0.0, 4: 0.01}, 0.0)[0] == 4  # a zero step time is no estimate
     with pytest.raises(ValueError, match="no tree size"):
