@@ -23,9 +23,9 @@ estimates say, a call stops drafting once its DART steps' loss against plain spe
 (`dart_core.speed.CallLoss`); that call's steps there may give the verdict as above (its observed speedup standing for
 the expected one while the estimates have none), and so does a probe or the `SPENT_CALLS`-th call in a row that spends
 its budget in the regime. A step that ran one-off work of the process (`VerifiedStep.one_off`: the few-row kernels'
-trials) counts in the call's loss, but neither in the estimates nor in the rate of its last steps: its time says
-nothing of later steps, so steps of that kind alone give a verdict only as the `SPENT_CALLS`-th call in a row that
-spends its budget, or as a probe. After `FIRST_PROBE_AFTER` plain calls (doubling after every probe that loses, up to
+trials) is not timed for the estimates (its time says nothing of later steps), so the sizes timed in a regime show
+DART slower only by steps without it; it counts in its call's loss and in the rate of the call's last steps as any
+step does (a call pays for it). After `FIRST_PROBE_AFTER` plain calls (doubling after every probe that loses, up to
 `MAX_PROBE_AFTER`) a call in the regime runs DART again (a probe): steps timed on a loaded machine switch DART off only
 until then. The verdict follows the latest evidence of any call: a call with `dart_head=` (which decodes with DART
 whatever the estimates say; its tree sizes still adapt) or with a fixed tree that shows DART pays in a plain regime
@@ -218,10 +218,9 @@ class CallPolicy:
             plain = ctrl.plain_s(key)
             recent = self.recent.setdefault(key, [])
             if step_seconds_ok(step.seconds):  # a clock that stalled or stepped back times nothing
-                if not step.one_off:  # the rate of later steps: a one-off step's seconds would understate it
-                    recent.append((tokens, step.seconds))
-                    del recent[:-WINDOW]
-                if plain is not None:  # ... but what it lost, this call lost
+                recent.append((tokens, step.seconds))
+                del recent[:-WINDOW]
+                if plain is not None:
                     self.loss.add(step.seconds - tokens * plain)
             spent_here = False  # this step ends the call's drafting (its loss passed the budget)
             if self.may_go_plain and plain is not None and not self.spent:
@@ -230,24 +229,21 @@ class CallPolicy:
                 regime.spent_calls += 1
             elif self.dart_steps[key] == WINDOW:
                 regime.spent_calls = 0
-            if (self.dart_steps[key] < WINDOW and not spent_here) or plain is None:
+            if (self.dart_steps[key] < WINDOW and not spent_here) or not recent or plain is None:
                 return
+            observed = sum(t for t, _ in recent) / sum(s for _, s in recent) * plain
             expected = ctrl.expected(key, self.sampled)
             shown = ctrl.expected(key, self.sampled, timed=True)  # by the sizes timed here alone, no size's prior
             # the verdict for later calls follows the latest evidence of any call: slower than plain both by the
             # sizes timed here and over this call's last WINDOW steps here, or a call that spent its budget here when
-            # it is a probe, the SPENT_CALLS-th in a row, or before the estimates have a figure (`lost`: the last
-            # only where some of its steps ran no one-off work); or not, where a call that spent its budget never
-            # shows DART pays
-            lost = spent_here and (self.probe or regime.spent_calls >= SPENT_CALLS
-                                   or (expected is None and bool(recent)))
-            if (expected is None or not recent) and not lost:
+            # it is a probe, the SPENT_CALLS-th in a row, or before the estimates have a figure (`lost`); or not,
+            # where a call that spent its budget never shows DART pays
+            lost = spent_here and (expected is None or self.probe or regime.spent_calls >= SPENT_CALLS)
+            if expected is None and not lost:
                 return
-            observed = sum(t for t, _ in recent) / sum(s for _, s in recent) * plain if recent else None
-            if self.may_go_plain and expected is not None and observed is not None \
-                    and max(expected, observed) < CALL_MARGIN:
+            if self.may_go_plain and expected is not None and max(expected, observed) < CALL_MARGIN:
                 self.plain_here.add(key)  # this call alone: below CALL_MARGIN by both measures
-            if lost or (shown is not None and shown < 1.0 and observed is not None and observed < 1.0):
+            if lost or (shown is not None and shown < 1.0 and observed < 1.0):
                 if not self.may_go_plain:  # a call that must decode with DART: later attached calls run plain here
                     if regime.mode == Mode.DART:
                         ctrl.set_plain(key, probing=False)

@@ -498,36 +498,34 @@ def test_a_losing_tree_costs_each_call_its_budget_and_two_such_calls_send_the_re
 
 
 @pytest.mark.parametrize("one_off", [True, False], ids=["trials", "control"])
-def test_steps_that_ran_kernel_trials_cost_the_call_but_give_no_estimate_and_no_verdict(one_off):
-    """A first call whose tree steps run the few-row kernels' trials (twice plain's time) and accept nothing, as a
-    prompt's first steps may: the call spends its budget and finishes plain, but those steps are neither the tree's
-    cost nor the rate of later steps, so the regime keeps DART and the next call's steps (1.2x plain's time, 2 tokens
-    each) are the estimate. The control, the same steps not marked as one-off, sends later calls plain."""
+def test_steps_that_ran_kernel_trials_are_no_tree_cost_and_give_no_verdict_by_themselves(one_off):
+    """A call whose first tree steps run the few-row kernels' trials (1.45x plain's time) and accept nothing, as a
+    prompt's first steps may: those steps cost the call (within its budget) but are not the tree's cost, so after
+    `WINDOW` of them no size is timed to show DART slower, and the call drafts on at the steps' own cost (1.2x plain's
+    time, 2 tokens each), which becomes the estimate. The control, the same steps not marked as one-off, times the
+    tree at 1.45x, and the call finishes plain and sends later calls plain."""
     ctrl = SpeedController([3], None, AcceptanceCurve({3: 1.8}, steps=100, new_tokens=100, prompts=4), start_size=3)
     key = regime_key(1, 100)
     ctrl.regime(1, 100)
     ctrl.observe_plain(key, 0.1, cold_ok=True)
-
-    def call(tree_s: float, ranks: list[int], trials: bool) -> list[int]:
-        policy = CallPolicy(lambda: ctrl, may_go_plain=True)
-        policy.begin(False)
-        sizes = []
-        for _ in range(32):
-            decision = policy.decide(1, 100)
-            tree = decision != PLAIN
-            policy.observe(decision, verified(1, 100, tree_s if tree else 0.1, [ranks if tree else []],
-                                              one_off=trials and tree))
-            sizes.append(nodes(decision))
-        return sizes
-
-    first = call(0.2, [], one_off)
-    assert sum(1 for s in first if s) == 2 and not any(first[2:])  # its budget spent: it finishes plain
-    assert ctrl.regimes[key].mode == ("dart" if one_off else "plain")
-    second = call(0.12, [0], False)
+    policy = CallPolicy(lambda: ctrl, may_go_plain=True)
+    policy.begin(False)
+    sizes = []
+    for _ in range(32):
+        decision = policy.decide(1, 100)
+        trials = sum(1 for s in sizes if s) < WINDOW  # the first WINDOW tree steps run the trials
+        tree_s, ranks = (0.145, []) if trials else (0.12, [0])
+        policy.observe(decision, verified(1, 100, tree_s if decision != PLAIN else 0.1,
+                                          [ranks if decision != PLAIN else []], one_off=one_off and trials))
+        sizes.append(nodes(decision))
+    assert not policy.spent  # the trials' steps stay within the call's budget
     if one_off:
-        assert sum(1 for s in second if s) >= 30 and ctrl.step_s(key, 3) == pytest.approx(0.12)
+        assert all(sizes) and ctrl.regimes[key].mode == "dart"
+        assert ctrl.step_s(key, 3) == pytest.approx(0.12)
     else:
-        assert not any(second)
+        last_tree = max(i for i, size in enumerate(sizes) if size)
+        assert sum(1 for size in sizes if size) == WINDOW and last_tree < 2 * WINDOW  # then plain to the end
+        assert ctrl.regimes[key].mode == "plain" and ctrl.step_s(key, 3) == pytest.approx(0.145)
 
 
 @pytest.mark.parametrize("accepted, verdict", [([], "plain"), ([0, 1], "dart")], ids=["loses", "control"])
