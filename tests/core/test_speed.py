@@ -3,12 +3,14 @@ the probes, on synthetic machines (noisy, changing, loaded at the first measurem
 regimes) whose verdict is the same on every CPU."""
 
 import pytest
+import torch
 
 from dart_core import AcceptanceCurve, TreeConfig
 from dart_core.acceptance import accepted_within
-from dart_core import speed
+from dart_core import speed, step_policy
 from dart_core.speed import (BUDGET_TOKENS, CALL_MARGIN, FIRST_PROBE_AFTER, LADDER, LOSS_BUDGET, MAX_PROBE_AFTER,
-                             NEW_SIZE_EVERY, SPENT_CALLS, WINDOW, CallLoss, Mean, SpeedController, choose_tree_size, fit_line, regime_key)
+                             NEW_SIZE_EVERY, SPENT_CALLS, WINDOW, CallLoss, Mean, SpeedController, choose_tree_size,
+                             fit_line, regime_key, yield_sd)
 from dart_core.step_policy import PLAIN, CallPolicy, FixedTree, TreeStep
 from helpers.synthetic import (SIZES, Machine, best_fixed, controller, curve_of, nodes, prior_from, rate_over_calls,
                                run_call, verified)
@@ -461,13 +463,57 @@ def test_a_calls_loss_is_spent_past_its_budget_and_past_chance():
     assert not varying.spent(plain, tokens=10)
 
 
+@pytest.mark.parametrize("tau", [1.3, 1.7, 3.0])
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_yield_sd_is_the_spread_of_geometric_yields_of_that_mean(tau, batch_size):
+    """Each next draft node accepted with one chance p: the mean of `batch_size` sequences' tokens, sampled, has the
+    spread `yield_sd` gives for tau = 1 / (1 - p); no tau, or one of a single token, gives 0."""
+    torch.manual_seed(0)
+    p = 1.0 - 1.0 / tau
+    accepted = torch.distributions.Geometric(probs=torch.tensor(1.0 - p)).sample((200_000, batch_size))
+    tokens = (1.0 + accepted).mean(dim=1)
+    assert float(tokens.mean()) == pytest.approx(tau, rel=0.02)
+    assert float(tokens.std()) == pytest.approx(yield_sd(tau, batch_size), rel=0.03)
+    assert yield_sd(None, 1) == yield_sd(1.0, 1) == yield_sd(float("nan"), 1) == 0.0
+
+
+@pytest.mark.parametrize("spread", [True, False], ids=["yields", "control"])
+def test_an_answers_first_steps_that_accept_nothing_do_not_spend_a_budget_its_later_ones_repay(spread, monkeypatch):
+    """Trees at 1.65x plain's cost where earlier calls yielded 2 tokens a step: the first three steps of an answer
+    accept nothing (as hard first tokens often do), the next ones one or two. That streak is within what such yields
+    give by chance, so the call keeps drafting and ends ahead of plain. The control, yields taken as not varying
+    (`yield_sd` 0: the chance term at its floor of half a plain step), stops drafting after the streak."""
+    if not spread:
+        monkeypatch.setattr(step_policy, "yield_sd", lambda tau, batch_size: 0.0)
+    ctrl = SpeedController([3], None, AcceptanceCurve({3: 1.8}, steps=100, new_tokens=100, prompts=4), start_size=3)
+    key = regime_key(1, 100)
+    ctrl.regime(1, 100)
+    ctrl.observe_plain(key, 0.1, cold_ok=True)
+    for accepted in [1, 2, 0, 1] * 5:  # earlier calls' steps (the first one untimed: the size's first in the process)
+        ctrl.observe_step(key, 3, 0.165, [list(range(accepted))], False)
+    policy = CallPolicy(lambda: ctrl, may_go_plain=True)
+    policy.begin(False)
+    seconds, tokens, drafted = 0.0, 0, 0
+    for accepted in [0, 0, 0] + [1, 2, 0, 1] * 8:  # accepted nodes a step
+        decision = policy.decide(1, 100)
+        ranks = [list(range(accepted))] if decision != PLAIN else []
+        step_s = 0.165 if decision != PLAIN else 0.1
+        policy.observe(decision, verified(1, 100, step_s, ranks))
+        seconds, tokens, drafted = seconds + step_s, tokens + 1 + len(ranks and ranks[0]), drafted + (decision != PLAIN)
+    if spread:
+        assert not policy.spent and drafted > 3 * WINDOW and seconds < 0.1 * tokens
+    else:
+        assert policy.spent and drafted == 3 and seconds > 0.1 * tokens
+
+
 @pytest.mark.parametrize("budget", [LOSS_BUDGET, 1e9], ids=["budget", "control"])
 def test_a_losing_tree_costs_each_call_its_budget_and_two_such_calls_send_the_regime_plain(budget, monkeypatch):
-    """A curve that claims 4 tokens a step where the text gives one, trees at twice plain's cost: each call stops
-    drafting once its DART steps have lost more than its budget (here after 2 steps, 0.2 s), before the estimates
-    catch up, and the second such call sends later calls plain with a warning that says so. The control, without a
+    """A curve that claims 4 tokens a step where the text gives one, trees at twice plain's cost, yields expected not
+    to vary (`yield_sd` 0, so the chance term is its floor): each call stops drafting once its DART steps have lost
+    more than its budget (here after 2 steps, 0.2 s), before the estimates catch up, and the second such call sends later calls plain with a warning that says so. The control, without a
     budget, keeps drafting until its estimates give the verdict (`WINDOW` steps)."""
     monkeypatch.setattr(speed, "LOSS_BUDGET", budget)
+    monkeypatch.setattr(step_policy, "yield_sd", lambda tau, batch_size: 0.0)
     ctrl = SpeedController([3], None, AcceptanceCurve({3: 4.0}, steps=100, new_tokens=100, prompts=4), start_size=3)
     key = regime_key(1, 100)
     ctrl.regime(1, 100)
