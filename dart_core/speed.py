@@ -77,10 +77,8 @@ CALL_MARGIN = 1.05
 # the tokens they yielded, measured against plain's cost of the tokens the call has produced (at least 64 a
 # sequence): whatever the estimates say, exploring and a tree that loses cost a call little more than that. A loss
 # within two standard deviations of what the steps' varying yields give by chance does not count (a tree that pays
-# on average can lose over a few steps), a step's deviation taken as at least what its yield varies by at the tau the
-# estimates expected of it, at most the tau at which it breaks even (`yield_sd`: an answer's first steps often accept
-# nothing where its later ones accept two), and at least half a plain step's cost (a yield that varies by a token; a
-# few steps that happened to yield alike show no spread).
+# on average can lose over a few steps), a step's deviation taken as at least half a plain step's cost (a yield that
+# varies by a token; a few steps that happened to yield alike show no spread).
 LOSS_BUDGET = 0.02
 BUDGET_TOKENS = 64
 LOSS_CHANCE_SD = 2.0
@@ -253,16 +251,6 @@ def first_plain_s(times: list[float]) -> Optional[float]:
     return sum(kept) / len(kept)
 
 
-def yield_sd(tau: Optional[float], batch_size: int) -> float:
-    """The standard deviation of a step's tokens a sequence where each sequence yields `tau` tokens a step on average
-    and each next draft node is accepted with the same chance (accepted nodes geometric: variance tau (tau - 1)),
-    averaged over `batch_size` sequences; 0 without a tau."""
-    tau = finite(tau)
-    if tau is None or tau <= 1.0:
-        return 0.0
-    return math.sqrt(tau * (tau - 1.0) / max(batch_size, 1))
-
-
 @dataclasses.dataclass
 class CallLoss:
     """Seconds a call's DART steps took beyond what plain steps would have taken for the tokens they yielded."""
@@ -270,24 +258,20 @@ class CallLoss:
     steps: int = 0
     total: float = 0.0
     squares: float = 0.0
-    chance: float = 0.0  # the steps' variances by their expected yields, in plain steps squared
 
-    def add(self, seconds: float, sd: float = 0.0) -> None:
-        """A step lost `seconds` (negative: gained), its yield expected to vary by `sd` tokens (`yield_sd`)."""
+    def add(self, seconds: float) -> None:
         self.steps, self.total, self.squares = self.steps + 1, self.total + seconds, self.squares + seconds * seconds
-        self.chance += max(sd, MIN_STEP_SD) ** 2
 
     def spent(self, plain_s: float, tokens: float) -> bool:
         """Whether the loss has spent the call's budget: above `LOSS_BUDGET` of plain's cost (`plain_s` a step) of
         the call's `tokens` a sequence (at least `BUDGET_TOKENS`), and above `LOSS_CHANCE_SD` standard deviations
-        of a total of this many steps' losses (by their spread, and at least by their expected yields' spread, a
-        step's at least `MIN_STEP_SD` plain steps)."""
+        of a total of this many steps' losses (a step's at least `MIN_STEP_SD` plain steps)."""
         if self.total <= LOSS_BUDGET * plain_s * max(tokens, BUDGET_TOKENS):
             return False
         spread = 0.0 if self.steps < 2 else \
             max(self.squares - self.total * self.total / self.steps, 0.0) / (self.steps - 1)
-        variance = max(spread * self.steps, self.chance * plain_s ** 2)
-        return self.total > LOSS_CHANCE_SD * math.sqrt(variance)
+        variance = max(spread, (MIN_STEP_SD * plain_s) ** 2)
+        return self.total > LOSS_CHANCE_SD * math.sqrt(variance * self.steps)
 
 
 def chosen_row(best: tuple[int, list[dict]]) -> dict:

@@ -39,7 +39,7 @@ from typing import Callable, Optional, Protocol, Union
 from dart_core.acceptance import tau_of
 from dart_core.speed import (CALL_MARGIN, EXPLORE_EVERY, MARGINAL, MIN_PLAIN_WEIGHT, NEW_SIZE_EVERY, PLAIN_EVERY,
                              SPENT_CALLS, WINDOW, CallLoss, Mode, SpeedController, chosen_row, regime_key,
-                             step_seconds_ok, yield_sd)
+                             step_seconds_ok)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,7 +210,6 @@ class CallPolicy:
                     ctrl.observe_plain(key, step.seconds)
                 self.tokens += 1.0
                 return
-            expected_tau = ctrl.tau_of(self.sampled).get(decision.nodes)  # before the step's own yield counts
             ctrl.observe_step(key, decision.nodes, step.seconds, step.ranks, self.sampled, step.drafting_seconds,
                               one_off=step.one_off)
             self.dart_steps[key] = self.dart_steps.get(key, 0) + 1
@@ -221,10 +220,8 @@ class CallPolicy:
             if step_seconds_ok(step.seconds):  # a clock that stalled or stepped back times nothing
                 recent.append((tokens, step.seconds))
                 del recent[:-WINDOW]
-                if plain is not None:  # its yield's spread at the tau expected of it, at most the break-even one
-                    even = step.seconds / plain
-                    self.loss.add(step.seconds - tokens * plain,
-                                  yield_sd(None if expected_tau is None else min(expected_tau, even), step.batch_size))
+                if plain is not None:
+                    self.loss.add(step.seconds - tokens * plain)
             spent_here = False  # this step ends the call's drafting (its loss passed the budget)
             if self.may_go_plain and plain is not None and not self.spent:
                 spent_here = self.spent = self.loss.spent(plain, self.tokens)

@@ -2,18 +2,30 @@
 the probes, on synthetic machines (noisy, changing, loaded at the first measurement, one where no tree pays, batch
 regimes) whose verdict is the same on every CPU."""
 
+from typing import Optional
+
 import pytest
-import torch
 
 from dart_core import AcceptanceCurve, TreeConfig
 from dart_core.acceptance import accepted_within
-from dart_core import speed, step_policy
+from dart_core import speed
 from dart_core.speed import (BUDGET_TOKENS, CALL_MARGIN, FIRST_PROBE_AFTER, LADDER, LOSS_BUDGET, MAX_PROBE_AFTER,
                              NEW_SIZE_EVERY, SPENT_CALLS, WINDOW, CallLoss, Mean, SpeedController, choose_tree_size,
-                             fit_line, regime_key, yield_sd)
+                             fit_line, regime_key)
 from dart_core.step_policy import PLAIN, CallPolicy, FixedTree, TreeStep
 from helpers.synthetic import (SIZES, Machine, best_fixed, controller, curve_of, nodes, prior_from, rate_over_calls,
                                run_call, verified)
+
+
+def one_size_controller(tau: Optional[float]) -> tuple[SpeedController, tuple[int, int]]:
+    """A controller of 3-node trees whose curve claims `tau` there (None: no curve), and its regime of one sequence
+    and 100 positions, where a plain step is timed at 0.1 s."""
+    curve = None if tau is None else AcceptanceCurve({3: tau}, steps=100, new_tokens=100, prompts=4)
+    ctrl = SpeedController([3], None, curve, start_size=3)
+    key = regime_key(1, 100)
+    ctrl.regime(1, 100)
+    ctrl.observe_plain(key, 0.1, cold_ok=True)
+    return ctrl, key
 
 
 # ---- the rule ---------------------------------------------------------------------------------------------------
@@ -421,10 +433,7 @@ def test_a_call_within_the_margin_of_plain_finishes_plain_and_later_calls_keep_d
     """A tree that yields 1.53 tokens per 0.15 s step against 0.1 s plain steps (1.02x by the estimates and by the
     call's own steps): the call finishes the regime plain after `WINDOW` DART steps, the regime's verdict stays DART
     (DART is not slower), and the next call tries DART again; the control, 0.13 s steps (1.18x), keeps DART."""
-    ctrl = SpeedController([3], None, AcceptanceCurve({3: 1.53}, steps=100, new_tokens=100, prompts=4), start_size=3)
-    key = regime_key(1, 100)
-    ctrl.regime(1, 100)
-    ctrl.observe_plain(key, 0.1, cold_ok=True)
+    ctrl, key = one_size_controller(1.53)
     accepts = iter([(i * 53) % 100 < 53 for i in range(1000)])  # 53 steps in 100 accept one node
 
     def call(steps: int) -> list[int]:
@@ -463,61 +472,14 @@ def test_a_calls_loss_is_spent_past_its_budget_and_past_chance():
     assert not varying.spent(plain, tokens=10)
 
 
-@pytest.mark.parametrize("tau", [1.3, 1.7, 3.0])
-@pytest.mark.parametrize("batch_size", [1, 4])
-def test_yield_sd_is_the_spread_of_geometric_yields_of_that_mean(tau, batch_size):
-    """Each next draft node accepted with one chance p: the mean of `batch_size` sequences' tokens, sampled, has the
-    spread `yield_sd` gives for tau = 1 / (1 - p); no tau, or one of a single token, gives 0."""
-    torch.manual_seed(0)
-    p = 1.0 - 1.0 / tau
-    accepted = torch.distributions.Geometric(probs=torch.tensor(1.0 - p)).sample((200_000, batch_size))
-    tokens = (1.0 + accepted).mean(dim=1)
-    assert float(tokens.mean()) == pytest.approx(tau, rel=0.02)
-    assert float(tokens.std()) == pytest.approx(yield_sd(tau, batch_size), rel=0.03)
-    assert yield_sd(None, 1) == yield_sd(1.0, 1) == yield_sd(float("nan"), 1) == 0.0
-
-
-@pytest.mark.parametrize("spread", [True, False], ids=["yields", "control"])
-def test_an_answers_first_steps_that_accept_nothing_do_not_spend_a_budget_its_later_ones_repay(spread, monkeypatch):
-    """Trees at 1.65x plain's cost where earlier calls yielded 2 tokens a step: the first three steps of an answer
-    accept nothing (as hard first tokens often do), the next ones one or two. That streak is within what such yields
-    give by chance, so the call keeps drafting and ends ahead of plain. The control, yields taken as not varying
-    (`yield_sd` 0: the chance term at its floor of half a plain step), stops drafting after the streak."""
-    if not spread:
-        monkeypatch.setattr(step_policy, "yield_sd", lambda tau, batch_size: 0.0)
-    ctrl = SpeedController([3], None, AcceptanceCurve({3: 1.8}, steps=100, new_tokens=100, prompts=4), start_size=3)
-    key = regime_key(1, 100)
-    ctrl.regime(1, 100)
-    ctrl.observe_plain(key, 0.1, cold_ok=True)
-    for accepted in [1, 2, 0, 1] * 5:  # earlier calls' steps (the first one untimed: the size's first in the process)
-        ctrl.observe_step(key, 3, 0.165, [list(range(accepted))], False)
-    policy = CallPolicy(lambda: ctrl, may_go_plain=True)
-    policy.begin(False)
-    seconds, tokens, drafted = 0.0, 0, 0
-    for accepted in [0, 0, 0] + [1, 2, 0, 1] * 8:  # accepted nodes a step
-        decision = policy.decide(1, 100)
-        ranks = [list(range(accepted))] if decision != PLAIN else []
-        step_s = 0.165 if decision != PLAIN else 0.1
-        policy.observe(decision, verified(1, 100, step_s, ranks))
-        seconds, tokens, drafted = seconds + step_s, tokens + 1 + len(ranks and ranks[0]), drafted + (decision != PLAIN)
-    if spread:
-        assert not policy.spent and drafted > 3 * WINDOW and seconds < 0.1 * tokens
-    else:
-        assert policy.spent and drafted == 3 and seconds > 0.1 * tokens
-
-
 @pytest.mark.parametrize("budget", [LOSS_BUDGET, 1e9], ids=["budget", "control"])
 def test_a_losing_tree_costs_each_call_its_budget_and_two_such_calls_send_the_regime_plain(budget, monkeypatch):
-    """A curve that claims 4 tokens a step where the text gives one, trees at twice plain's cost, yields expected not
-    to vary (`yield_sd` 0, so the chance term is its floor): each call stops drafting once its DART steps have lost
-    more than its budget (here after 2 steps, 0.2 s), before the estimates catch up, and the second such call sends later calls plain with a warning that says so. The control, without a
+    """A curve that claims 4 tokens a step where the text gives one, trees at twice plain's cost: each call stops
+    drafting once its DART steps have lost more than its budget (here after 2 steps, 0.2 s), before the estimates
+    catch up, and the second such call sends later calls plain with a warning that says so. The control, without a
     budget, keeps drafting until its estimates give the verdict (`WINDOW` steps)."""
     monkeypatch.setattr(speed, "LOSS_BUDGET", budget)
-    monkeypatch.setattr(step_policy, "yield_sd", lambda tau, batch_size: 0.0)
-    ctrl = SpeedController([3], None, AcceptanceCurve({3: 4.0}, steps=100, new_tokens=100, prompts=4), start_size=3)
-    key = regime_key(1, 100)
-    ctrl.regime(1, 100)
-    ctrl.observe_plain(key, 0.1, cold_ok=True)
+    ctrl, key = one_size_controller(4.0)
 
     def call() -> tuple[float, list[int], list[str]]:
         policy = CallPolicy(lambda: ctrl, may_go_plain=True)
@@ -550,10 +512,7 @@ def test_steps_that_ran_kernel_trials_are_no_tree_cost_and_give_no_verdict_by_th
     `WINDOW` of them no size is timed to show DART slower, and the call drafts on at the steps' own cost (1.2x plain's
     time, 2 tokens each), which becomes the estimate. The control, the same steps not marked as one-off, times the
     tree at 1.45x, and the call finishes plain and sends later calls plain."""
-    ctrl = SpeedController([3], None, AcceptanceCurve({3: 1.8}, steps=100, new_tokens=100, prompts=4), start_size=3)
-    key = regime_key(1, 100)
-    ctrl.regime(1, 100)
-    ctrl.observe_plain(key, 0.1, cold_ok=True)
+    ctrl, key = one_size_controller(1.8)
     policy = CallPolicy(lambda: ctrl, may_go_plain=True)
     policy.begin(False)
     sizes = []
@@ -579,10 +538,7 @@ def test_a_call_that_spends_its_budget_before_any_estimate_gives_the_verdict(acc
     """A head without an acceptance curve whose trees, at twice plain's cost, accept nothing: the first call spends
     its budget in 2 steps, before tau rests on enough steps for an estimate, and its own steps send later calls plain.
     The control accepts 2 nodes a step (1.5x plain) and keeps DART."""
-    ctrl = SpeedController([3], None, None, start_size=3)
-    key = regime_key(1, 100)
-    ctrl.regime(1, 100)
-    ctrl.observe_plain(key, 0.1, cold_ok=True)
+    ctrl, key = one_size_controller(None)
     policy = CallPolicy(lambda: ctrl, may_go_plain=True)
     policy.begin(False)
     sizes = []
