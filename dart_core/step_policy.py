@@ -28,8 +28,9 @@ DART slower only by steps without it; it counts in its call's loss and in the ra
 step does (a call pays for it). After `FIRST_PROBE_AFTER` plain calls (doubling after every probe that loses, up to
 `MAX_PROBE_AFTER`) a call in the regime runs DART again (a probe): steps timed on a loaded machine switch DART off only
 until then. The verdict follows the latest evidence of any call: a call with `dart_head=` (which decodes with DART
-whatever the estimates say; its tree sizes still adapt) or with a fixed tree that shows DART pays in a plain regime
-sends later attached calls there back to DART, and one that shows it loses sends them plain."""
+whatever the estimates say; its tree sizes still adapt) or with a fixed tree that shows DART pays in a plain regime,
+by a tree size timed there, sends later attached calls there back to DART, and one that shows it loses sends them
+plain."""
 
 from __future__ import annotations
 
@@ -234,10 +235,11 @@ class CallPolicy:
             observed = sum(t for t, _ in recent) / sum(s for _, s in recent) * plain
             expected = ctrl.expected(key, self.sampled)
             shown = ctrl.expected(key, self.sampled, timed=True)  # by the sizes timed here alone, no size's prior
-            # the verdict for later calls follows the latest evidence of any call: slower than plain both by the
-            # sizes timed here and over this call's last WINDOW steps here, or a call that spent its budget here when
-            # it is a probe, the SPENT_CALLS-th in a row, or before the estimates have a figure (`lost`); or not,
-            # where a call that spent its budget never shows DART pays
+            # the verdict for later calls follows the latest evidence of any call: plain where DART is slower both by
+            # the sizes timed here and over this call's last WINDOW steps here, or where a call spent its budget here
+            # as a probe, the SPENT_CALLS-th in a row, or before the estimates have a figure (`lost`); DART again
+            # where neither holds and a size is timed here (steps that ran trials time none), unless the call spent
+            # its budget
             lost = spent_here and (expected is None or self.probe or regime.spent_calls >= SPENT_CALLS)
             if expected is None and not lost:
                 return
@@ -253,5 +255,5 @@ class CallPolicy:
                 message = ctrl.fallback_message(key, self.sampled, lost=lost)
                 if message is not None:
                     self.warnings.append(message)
-            elif regime.mode == Mode.PLAIN and not spent_here:  # DART pays here again (a probe, or a dart_head= call)
-                ctrl.set_dart(key)
+            elif regime.mode == Mode.PLAIN and not spent_here and shown is not None:
+                ctrl.set_dart(key)  # DART pays here again by a timed size (a probe, or a dart_head= call)

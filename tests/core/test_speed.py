@@ -533,6 +533,34 @@ def test_steps_that_ran_kernel_trials_are_no_tree_cost_and_give_no_verdict_by_th
         assert ctrl.regimes[key].mode == "plain" and ctrl.step_s(key, 3) == pytest.approx(0.145)
 
 
+@pytest.mark.parametrize("one_off", [True, False], ids=["trials", "control"])
+def test_a_probe_lifts_a_plain_verdict_only_by_a_timed_tree(one_off):
+    """A probe in a plain regime, on a machine with a calibrated cost (so an untimed tree has an expected speedup),
+    whose first 8 tree steps run the kernels' trials (so no tree is timed) and accept a node each at 1.2x plain's
+    time: the regime stays plain through those steps, and DART's verdict returns with the first timed step. The
+    control, the same steps not marked as one-off, lifts it after `WINDOW` tree steps."""
+    ctrl = SpeedController([3], prior_from(Machine()), AcceptanceCurve({3: 1.8}, steps=100, new_tokens=100, prompts=4),
+                           start_size=3)
+    key = regime_key(1, 100)
+    ctrl.regime(1, 100)
+    ctrl.observe_plain(key, 0.1, cold_ok=True)
+    assert ctrl.expected(key, False) is not None and ctrl.expected(key, False, timed=True) is None
+    ctrl.set_plain(key, probing=False)
+    policy = CallPolicy(lambda: ctrl, may_go_plain=True, probe=True)
+    policy.begin(False)
+    modes = []
+    for _ in range(16):
+        decision = policy.decide(1, 100)
+        tree = decision != PLAIN
+        trials = tree and one_off and sum(1 for mode, was_tree in modes if was_tree) < 8
+        policy.observe(decision, verified(1, 100, 0.12 if tree else 0.1, [[0] if tree else []], one_off=trials))
+        modes.append((ctrl.regimes[key].mode, tree))
+    tree_modes = [mode for mode, was_tree in modes if was_tree]
+    assert not policy.spent and len(tree_modes) > 9
+    lifted = tree_modes.index("dart")
+    assert lifted == (8 if one_off else WINDOW - 1)
+
+
 @pytest.mark.parametrize("accepted, verdict", [([], "plain"), ([0, 1], "dart")], ids=["loses", "control"])
 def test_a_call_that_spends_its_budget_before_any_estimate_gives_the_verdict(accepted, verdict):
     """A head without an acceptance curve whose trees, at twice plain's cost, accept nothing: the first call spends
