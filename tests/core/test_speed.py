@@ -8,6 +8,7 @@ import pytest
 
 from dart_core import AcceptanceCurve, TreeConfig
 from dart_core.acceptance import accepted_within
+from dart_core.cost import MachineCost
 from dart_core import speed
 from dart_core.speed import (BUDGET_TOKENS, CALL_MARGIN, FIRST_PROBE_AFTER, LADDER, LOSS_BUDGET, MAX_PROBE_AFTER,
                              NEW_SIZE_EVERY, SPENT_CALLS, WINDOW, CallLoss, Mean, SpeedController, choose_tree_size,
@@ -17,11 +18,12 @@ from helpers.synthetic import (SIZES, Machine, best_fixed, controller, curve_of,
                                run_call, verified)
 
 
-def one_size_controller(tau: Optional[float]) -> tuple[SpeedController, tuple[int, int]]:
-    """A controller of 3-node trees whose curve claims `tau` there (None: no curve), and its regime of one sequence
-    and 100 positions, where a plain step is timed at 0.1 s."""
+def one_size_controller(tau: Optional[float], cost: Optional[MachineCost] = None
+                        ) -> tuple[SpeedController, tuple[int, int]]:
+    """A controller of 3-node trees whose curve claims `tau` there (None: no curve), with a calibrated `cost` if
+    given, and its regime of one sequence and 100 positions, where a plain step is timed at 0.1 s."""
     curve = None if tau is None else AcceptanceCurve({3: tau}, steps=100, new_tokens=100, prompts=4)
-    ctrl = SpeedController([3], None, curve, start_size=3)
+    ctrl = SpeedController([3], cost, curve, start_size=3)
     key = regime_key(1, 100)
     ctrl.regime(1, 100)
     ctrl.observe_plain(key, 0.1, cold_ok=True)
@@ -539,11 +541,7 @@ def test_a_probe_lifts_a_plain_verdict_only_by_a_timed_tree(one_off):
     whose first 8 tree steps run the kernels' trials (so no tree is timed) and accept a node each at 1.2x plain's
     time: the regime stays plain through those steps, and DART's verdict returns with the first timed step. The
     control, the same steps not marked as one-off, lifts it after `WINDOW` tree steps."""
-    ctrl = SpeedController([3], prior_from(Machine()), AcceptanceCurve({3: 1.8}, steps=100, new_tokens=100, prompts=4),
-                           start_size=3)
-    key = regime_key(1, 100)
-    ctrl.regime(1, 100)
-    ctrl.observe_plain(key, 0.1, cold_ok=True)
+    ctrl, key = one_size_controller(1.8, prior_from(Machine()))
     assert ctrl.expected(key, False) is not None and ctrl.expected(key, False, timed=True) is None
     ctrl.set_plain(key, probing=False)
     policy = CallPolicy(lambda: ctrl, may_go_plain=True, probe=True)
